@@ -1,0 +1,120 @@
+package main
+
+import (
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/mattn/go-isatty"
+	"github.com/rs/zerolog"
+	"github.com/urfave/cli/v2"
+
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+func env(name string) []string { return []string{"KVMAPPER_" + name} }
+
+// connFlags say how to reach NATS; every command has them.
+func connFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Value: "nats://127.0.0.1:4222",
+			Usage: "NATS server URL, or several separated by commas", EnvVars: []string{"KVMAPPER_SERVER", "NATS_URL"}},
+	}
+}
+
+// layoutFlags name the subjects, streams and buckets; every command has them.
+func layoutFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)", EnvVars: env("PARTITIONS")},
+		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to", EnvVars: env("IN")},
+		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to", EnvVars: env("OUT")},
+		&cli.StringFlag{Name: "unmapped", Value: "unmapped.{device}.{event}", Usage: "subject template dead letters go to", EnvVars: env("UNMAPPED")},
+		&cli.StringFlag{Name: "incoming-stream", Value: "INCOMING", Usage: "stream devices publish into", EnvVars: env("INCOMING_STREAM")},
+		&cli.StringFlag{Name: "outgoing-stream", Value: "OUTGOING", Usage: "stream mapped messages go to", EnvVars: env("OUTGOING_STREAM")},
+		&cli.StringFlag{Name: "unmapped-stream", Value: "UNMAPPED", Usage: "stream dead letters go to", EnvVars: env("UNMAPPED_STREAM")},
+		&cli.StringFlag{Name: "groups-bucket", Value: "device-groups", Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
+		&cli.StringFlag{Name: "control-bucket", Value: "kvmapper", Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
+		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
+	}
+}
+
+func logFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error", EnvVars: env("LOG_LEVEL")},
+		&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)", EnvVars: env("LOG_FORMAT")},
+	}
+}
+
+func flags(groups ...[]cli.Flag) []cli.Flag {
+	var all []cli.Flag
+	for _, g := range groups {
+		all = append(all, g...)
+	}
+	return all
+}
+
+// layout builds the subject layout from the flags; a bad template is a usage error.
+func layout(c *cli.Context) (*subjects.Layout, error) {
+	lay, err := subjects.NewLayout(c.String("in"), c.String("out"), c.String("unmapped"), c.Int("partitions"))
+	if err != nil {
+		return nil, usageError{err}
+	}
+	return lay, nil
+}
+
+func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
+	if r := c.Int("stream-replicas"); r < 1 || r > 5 {
+		return setup.Config{}, usagef("invalid value %d for flag --stream-replicas: must be 1 to 5", r)
+	}
+	cfg := setup.Config{
+		Layout:   lay,
+		Incoming: c.String("incoming-stream"),
+		Outgoing: c.String("outgoing-stream"),
+		Unmapped: c.String("unmapped-stream"),
+		Groups:   c.String("groups-bucket"),
+		Control:  c.String("control-bucket"),
+		Replicas: c.Int("stream-replicas"),
+	}
+	cfg.Defaults()
+	return cfg, nil
+}
+
+// logger builds the process logger from --log-level and --log-format.
+func logger(c *cli.Context, w io.Writer) (zerolog.Logger, error) {
+	lvl, err := zerolog.ParseLevel(strings.ToLower(c.String("log-level")))
+	if err != nil || lvl == zerolog.NoLevel {
+		return zerolog.Nop(), usagef("invalid value %q for flag --log-level: use debug, info, warn or error", c.String("log-level"))
+	}
+	format := c.String("log-format")
+	if format == "" {
+		format = "json"
+		if f, ok := w.(*os.File); ok && isatty.IsTerminal(f.Fd()) {
+			format = "console"
+		}
+	}
+	switch format {
+	case "json":
+	case "console":
+		w = zerolog.ConsoleWriter{Out: w, TimeFormat: time.TimeOnly}
+	default:
+		return zerolog.Nop(), usagef("invalid value %q for flag --log-format: use console or json", format)
+	}
+	return zerolog.New(w).Level(lvl).With().Timestamp().Logger(), nil
+}
+
+func positive(c *cli.Context, name string) error {
+	if d := c.Duration(name); d <= 0 {
+		return usagef("invalid value %v for flag --%s: must be positive", d, name)
+	}
+	return nil
+}
+
+func wholeSeconds(c *cli.Context, name string) error {
+	d := c.Duration(name)
+	if d < time.Second || d%time.Second != 0 {
+		return usagef("invalid value %v for flag --%s: the server takes whole seconds, at least 1s", d, name)
+	}
+	return nil
+}

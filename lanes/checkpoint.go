@@ -1,0 +1,92 @@
+package lanes
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+)
+
+// fence reads the partition's checkpoint and writes it back with compare-and-set before the
+// lane consumes anything. A deposed owner's next checkpoint write then fails on the revision,
+// which stops it (I3). It returns the checkpointed sequence.
+func (l *lane) fence(ctx context.Context) (uint64, error) {
+	backoff := l.p.cfg.RetryBackoff
+	for {
+		seq, err := l.tryFence(ctx)
+		if err == nil || errors.Is(err, ErrInvalidConfig) {
+			return seq, err
+		}
+		if !isConflict(err) {
+			l.p.warn("fence", func(e *zerolog.Event) {
+				e.Int("partition", l.a.Partition).Err(err).Msg("reading the checkpoint failed; retrying")
+			})
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return 0, fmt.Errorf("lanes: fencing partition %d: %w", l.a.Partition, err)
+		}
+		backoff = min(2*backoff, l.p.cfg.MaxRetryBackoff)
+	}
+}
+
+func (l *lane) tryFence(ctx context.Context) (uint64, error) {
+	e, err := l.p.ctl.Get(ctx, l.key)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		rev, err := l.p.ctl.Create(ctx, l.key, []byte("0"))
+		if err != nil {
+			return 0, err
+		}
+		l.cpRev = rev
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	seq, err := strconv.ParseUint(string(e.Value()), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s holds %q, not a stream sequence; set it with `nats kv put %s %s <sequence>`",
+			ErrInvalidConfig, l.key, e.Value(), e.Bucket(), l.key)
+	}
+	rev, err := l.p.ctl.Update(ctx, l.key, e.Value(), e.Revision())
+	if err != nil {
+		return 0, err
+	}
+	l.cpRev = rev
+	return seq, nil
+}
+
+// checkpoint writes the acknowledged prefix if it moved, with compare-and-set on the revision of
+// the lane's own last write. A conflict means a newer owner has fenced the partition.
+func (l *lane) checkpoint(ctx context.Context) error {
+	if l.acked == l.checkpointed {
+		return nil
+	}
+	var b [20]byte
+	rev, err := l.p.ctl.Update(ctx, l.key, strconv.AppendUint(b[:0], l.acked, 10), l.cpRev)
+	switch {
+	case err == nil:
+		l.cpRev, l.checkpointed = rev, l.acked
+		return nil
+	case isConflict(err):
+		return fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)
+	default:
+		l.p.warn("checkpoint", func(e *zerolog.Event) {
+			e.Int("partition", l.a.Partition).Err(err).Msg("writing the checkpoint failed; will retry")
+		})
+		return nil
+	}
+}
+
+// isConflict tells a failed compare-and-set. On R1 buckets the server answers with "key exists",
+// on replicated ones with "wrong last sequence": both mean someone else wrote.
+func isConflict(err error) bool {
+	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)
+}

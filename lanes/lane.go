@@ -1,0 +1,427 @@
+package lanes
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// entry is one INCOMING message on its way out, from publish to acknowledgement.
+type entry struct {
+	seq    uint64       // INCOMING stream sequence
+	src    jetstream.Msg // the consumed message, to rebuild a dead letter from
+	msg    *nats.Msg    // what is published (OUTGOING or UNMAPPED)
+	reason string       // non-empty when msg is a dead letter
+	gen    uint64       // connection generation (reconnect count) when last sent
+
+	fut  jetstream.PubAckFuture
+	okc  <-chan *jetstream.PubAck
+	errc <-chan error
+	ack  *jetstream.PubAck // set once acknowledged
+	err  error             // set once failed; cleared when resent
+}
+
+func (e *entry) settled() bool { return e.ack != nil || e.err != nil }
+
+// delivery is a consumed message with its stream sequence, handed from reader to lane.
+type delivery struct {
+	msg jetstream.Msg
+	seq uint64
+}
+
+// lane is the pipeline of one partition. Everything but the reader runs on one goroutine, which
+// is what keeps order (STYLE rule 14): messages are published in stream order, acknowledgements
+// are consumed in the same order, and after any failure nothing new is sent until every earlier
+// message has been resent in order.
+type lane struct {
+	p   *Pool
+	a   Assignment
+	log zerolog.Logger
+	key string // checkpoint.<p>
+
+	cpRev        uint64 // revision of our last checkpoint write: the fence
+	checkpointed uint64 // sequence last written
+	acked        uint64 // contiguous acknowledged prefix
+
+	q       []*entry // in flight, in stream order
+	failed  bool     // some entry failed: resend before sending anything new
+	backoff time.Duration
+
+	fields   subjects.Fields
+	buf      []byte
+	idPrefix string
+	partHdr  []string
+	epochHdr []string
+}
+
+func newLane(p *Pool, a Assignment) *lane {
+	return &lane{
+		p:        p,
+		a:        a,
+		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
+		key:      CheckpointKey(a.Partition),
+		buf:      make([]byte, 0, 256),
+		idPrefix: p.cfg.Incoming + ":",
+		partHdr:  []string{strconv.Itoa(a.Partition)},
+		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
+	}
+}
+
+// CheckpointKey is the control-bucket key holding partition p's checkpoint: the last INCOMING
+// sequence whose republish was acknowledged, as a decimal number.
+func CheckpointKey(p int) string { return "checkpoint." + strconv.Itoa(p) }
+
+func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
+
+func (l *lane) run(ctx context.Context) error {
+	start, err := l.fence(ctx)
+	if err != nil {
+		return err
+	}
+	l.acked, l.checkpointed = start, start
+	l.log.Debug().Uint64("from", start+1).Msg("lane started")
+
+	readCtx, stopReading := context.WithCancel(ctx)
+	in := make(chan delivery, 64)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		l.read(readCtx, start+1, in)
+	}()
+	defer func() {
+		stopReading()
+		wg.Wait()
+	}()
+
+	tick := time.NewTicker(l.p.cfg.CheckpointInterval)
+	defer tick.Stop()
+	var held *delivery // consumed, waiting for an in-flight token
+	for {
+		l.popSettled()
+		if !l.valid() {
+			stopReading()
+			return l.stop(ErrFenced)
+		}
+		if l.failed {
+			if err := l.recover(ctx); err != nil {
+				stopReading()
+				return l.stop(err)
+			}
+			continue
+		}
+		var inc <-chan delivery
+		var semc chan<- struct{}
+		if held == nil {
+			inc = in
+		} else {
+			semc = l.p.sem
+		}
+		var okc <-chan *jetstream.PubAck
+		var errc <-chan error
+		if len(l.q) > 0 {
+			okc, errc = l.q[0].okc, l.q[0].errc
+		}
+		select {
+		case <-ctx.Done():
+			stopReading()
+			return l.stop(nil)
+		case d := <-inc:
+			held = &d
+		case semc <- struct{}{}:
+			if len(l.q) > 0 && l.q[0].gen != l.p.generation() {
+				// The connection was replaced while these were in flight: their futures are
+				// failing now. Sending on the new connection first would reorder.
+				<-l.p.sem
+				l.failed = true
+				continue
+			}
+			l.push(l.prepare(*held))
+			held = nil
+		case ack := <-okc:
+			l.q[0].ack = ack
+		case err := <-errc:
+			l.q[0].err = err
+			l.failed = true
+		case <-tick.C:
+			if err := l.checkpoint(ctx); err != nil {
+				stopReading()
+				return l.stop(err)
+			}
+		}
+	}
+}
+
+// push sends e and appends it to the in-flight queue; it holds one token of the pool's semaphore.
+func (l *lane) push(e *entry) {
+	l.send(e)
+	l.q = append(l.q, e)
+}
+
+// send publishes e asynchronously. A failure to even send marks e failed.
+func (l *lane) send(e *entry) {
+	e.ack, e.err = nil, nil
+	e.gen = l.p.generation()
+	fut, err := l.p.pub.PublishMsgAsync(e.msg)
+	if err != nil {
+		e.err = err
+		l.failed = true
+		return
+	}
+	e.fut, e.okc, e.errc = fut, fut.Ok(), fut.Err()
+}
+
+// popSettled removes acknowledged entries from the head of the queue and advances the prefix.
+func (l *lane) popSettled() {
+	for len(l.q) > 0 && l.q[0].ack != nil {
+		e := l.q[0]
+		l.q[0] = nil
+		l.q = l.q[1:]
+		<-l.p.sem
+		l.acked = e.seq
+		switch {
+		case e.ack.Duplicate:
+			l.p.duplicates.Add(1)
+		case e.reason != "":
+			l.p.countUnmapped(e.reason)
+		default:
+			l.p.mapped.Add(1)
+		}
+		l.backoff = 0
+	}
+}
+
+// recover waits until every in-flight publish has settled, then resends, in stream order, every
+// one that was not acknowledged. Messages the server had stored are dropped by OUTGOING as
+// duplicates of their Nats-Msg-Id; the others are stored now, in order. A message OUTGOING
+// refuses for good (too large, not allowed) is dead-lettered instead.
+func (l *lane) recover(ctx context.Context) error {
+	for _, e := range l.q {
+		if e.settled() {
+			continue
+		}
+		select {
+		case e.ack = <-e.okc:
+		case e.err = <-e.errc:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+	l.popSettled()
+	var first error
+	for _, e := range l.q {
+		if e.err != nil {
+			first = e.err
+			break
+		}
+	}
+	if first == nil {
+		l.failed = false
+		return nil
+	}
+	l.p.failures.Add(1)
+	if l.backoff == 0 {
+		l.backoff = l.p.cfg.RetryBackoff
+	} else {
+		l.backoff = min(2*l.backoff, l.p.cfg.MaxRetryBackoff)
+	}
+	l.p.warn("publish", func(ev *zerolog.Event) {
+		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
+			Msg("publish failed; resending in order (if this persists, check that the OUTGOING and UNMAPPED streams exist and the server is reachable)")
+	})
+	t := time.NewTimer(l.backoff)
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+		t.Stop()
+		return nil
+	}
+	l.failed = false
+	for _, e := range l.q {
+		if e.ack != nil {
+			continue
+		}
+		if !l.valid() {
+			return ErrFenced
+		}
+		if reason, why := permanent(e.err); reason != "" && e.reason == "" {
+			l.p.warn("refused", func(ev *zerolog.Event) {
+				ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
+					Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
+			})
+			l.redirect(e, reason, why)
+		}
+		l.p.retries.Add(1)
+		l.send(e)
+		if e.err != nil {
+			break // not even sent: the next round starts here
+		}
+	}
+	return nil
+}
+
+// stop drains the lane: it waits (up to DrainTimeout) for the in-flight publishes, resending in
+// order while the lease holds, then writes the final checkpoint. It returns why the lane stopped.
+func (l *lane) stop(why error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), l.p.cfg.DrainTimeout)
+	defer cancel()
+	for len(l.q) > 0 && ctx.Err() == nil {
+		l.popSettled()
+		if len(l.q) == 0 {
+			break
+		}
+		h := l.q[0]
+		if h.err != nil || l.failed {
+			if why != nil || !l.valid() {
+				break // fenced: send nothing more; the next owner resumes after the prefix
+			}
+			l.failed = true
+			if err := l.recover(ctx); err != nil {
+				why = err
+				break
+			}
+			continue
+		}
+		select {
+		case h.ack = <-h.okc:
+		case h.err = <-h.errc:
+			l.failed = true
+		case <-ctx.Done():
+		}
+	}
+	l.popSettled()
+	for range l.q {
+		<-l.p.sem
+	}
+	left := len(l.q)
+	l.q = nil
+	cctx, ccancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer ccancel()
+	if err := l.checkpoint(cctx); err != nil && why == nil {
+		why = err
+	}
+	ev := l.log.Debug()
+	if left > 0 || (why != nil && !errors.Is(why, ErrFenced)) {
+		ev = l.log.Warn()
+	}
+	ev.Uint64("checkpoint", l.checkpointed).Int("unacknowledged", left).AnErr("why", why).Msg("lane stopped")
+	return why
+}
+
+// prepare builds what to publish for one consumed message: the hot path.
+func (l *lane) prepare(d delivery) *entry {
+	e := &entry{seq: d.seq, src: d.msg}
+	lay := l.p.cfg.Layout
+	hdr := l.headers(d)
+	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
+		hdr[HeaderSubject] = []string{d.msg.Subject()}
+		e.reason = ReasonMalformedSubject
+		e.msg = &nats.Msg{Subject: lay.MalformedSubject(), Header: l.deadHeaders(hdr, e.reason, err.Error()), Data: d.msg.Data()}
+		return e
+	}
+	group, rev, reason := l.p.lookup(l.fields.Device())
+	if reason != "" {
+		e.reason = reason
+		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
+		e.msg = &nats.Msg{Subject: string(l.buf), Header: l.deadHeaders(hdr, reason, ""), Data: d.msg.Data()}
+		return e
+	}
+	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
+	if !l.p.cfg.NoProvenance {
+		hdr[HeaderPartition] = l.partHdr
+		hdr[HeaderEpoch] = l.epochHdr
+		hdr[HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
+	}
+	e.msg = &nats.Msg{Subject: string(l.buf), Header: hdr, Data: d.msg.Data()}
+	return e
+}
+
+const expectedPrefix = "Nats-Expected-"
+
+// headers returns the consumed message's headers, made fit for OUTGOING: the Nats-Expected-*
+// headers addressed INCOMING and are dropped, a device's own Nats-Msg-Id is kept under
+// [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every owner
+// and every retry, so OUTGOING drops anything sent twice.
+func (l *lane) headers(d delivery) nats.Header {
+	hdr := d.msg.Headers()
+	if hdr == nil {
+		hdr = make(nats.Header, 4)
+	}
+	for k := range hdr {
+		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
+			delete(hdr, k)
+		}
+	}
+	if id, ok := hdr[nats.MsgIdHdr]; ok {
+		hdr[HeaderOrigMsgID] = id
+	}
+	hdr[nats.MsgIdHdr] = []string{l.idPrefix + strconv.FormatUint(d.seq, 10)}
+	return hdr
+}
+
+func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
+	hdr[HeaderReason] = []string{reason}
+	if why != "" {
+		hdr[HeaderError] = []string{why}
+	}
+	if !l.p.cfg.NoProvenance {
+		hdr[HeaderPartition] = l.partHdr
+		hdr[HeaderEpoch] = l.epochHdr
+	}
+	return hdr
+}
+
+// redirect turns e into a dead letter to UNMAPPED after OUTGOING refused it for good.
+func (l *lane) redirect(e *entry, reason, why string) {
+	lay := l.p.cfg.Layout
+	hdr := e.msg.Header
+	delete(hdr, HeaderRevision)
+	subject := lay.MalformedSubject()
+	if err := lay.Parse(e.src.Subject(), &l.fields); err == nil {
+		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))
+	}
+	hdr[HeaderSubject] = []string{e.src.Subject()}
+	e.reason = reason
+	e.msg = &nats.Msg{Subject: subject, Header: l.deadHeaders(hdr, reason, why), Data: e.msg.Data}
+	if reason == ReasonOversized {
+		// The payload itself is what did not fit; it stays in INCOMING under the sequence in
+		// Nats-Msg-Id, which the dead letter names.
+		e.msg.Data = nil
+	}
+}
+
+// permanent tells whether a publish error is about the message itself, which resending cannot
+// fix, and which dead-letter reason it gets.
+func permanent(err error) (reason, why string) {
+	if err == nil {
+		return "", ""
+	}
+	if errors.Is(err, nats.ErrMaxPayload) {
+		return ReasonOversized, err.Error()
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		switch {
+		case apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum || apiErr.ErrorCode == errCodeHeaderExceedsMaximum:
+			return ReasonOversized, apiErr.Description
+		case apiErr.Code == 400:
+			// A bad request is about the message (a per-message TTL the stream does not allow,
+			// a counter increment, a schedule...): the same bytes would be refused again.
+			return ReasonRejected, apiErr.Description
+		}
+	}
+	return "", ""
+}
+
+// errCodeHeaderExceedsMaximum is nats-server's JSStreamHeaderExceedsMaximumErr, which nats.go
+// has no constant for.
+const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097

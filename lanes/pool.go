@@ -1,0 +1,239 @@
+package lanes
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
+// reason ([ReasonNoMapping], [ReasonInvalidGroup]) when the device cannot be mapped. It is called
+// once per message from every lane at once: it must be safe for concurrent use and must not block.
+type LookupFunc func(device string) (group string, revision uint64, reason string)
+
+// Assignment is one partition handed to a lane by its owner.
+type Assignment struct {
+	Partition int
+	// Epoch is the owner's fencing token (the lease revision); it is stamped on every message.
+	Epoch uint64
+	// Valid reports whether the lease still holds by the owner's own clock. The lane checks it
+	// before every publish and stops when it turns false. nil means the lease never runs out.
+	Valid func() bool
+}
+
+// Config tunes a [Pool]. Zero fields mean the defaults given.
+type Config struct {
+	// Layout gives the subject templates and the partition count. Required.
+	Layout *subjects.Layout
+	// Incoming is the INCOMING stream's name, also the prefix of every Nats-Msg-Id. Default "INCOMING".
+	Incoming string
+	// MaxInFlight bounds the unacknowledged publishes of all lanes of the pool together (I5).
+	// Default 4096, far below the server's per-stream ingest queue (100k).
+	MaxInFlight int
+	// CheckpointInterval is how often a lane writes its acknowledged prefix. Default 100ms.
+	CheckpointInterval time.Duration
+	// PublishTimeout is how long a publish may wait for its acknowledgement. Default 5s.
+	PublishTimeout time.Duration
+	// DrainTimeout bounds how long a stopping lane waits for its in-flight publishes. Default 10s.
+	DrainTimeout time.Duration
+	// Heartbeat is the ordered consumer's idle heartbeat: a dead server is noticed after about
+	// twice this. Default 1s.
+	Heartbeat time.Duration
+	// PullBatch is how many messages a lane's consumer asks for at once. Default 512.
+	PullBatch int
+	// RetryBackoff is the first pause before republishing after a failure; it doubles up to
+	// MaxRetryBackoff. Defaults 50ms and 2s.
+	RetryBackoff, MaxRetryBackoff time.Duration
+	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
+	NoProvenance bool
+	// Logger receives structured logs. Default: none.
+	Logger zerolog.Logger
+}
+
+func (c *Config) setDefaults() error {
+	if c.Layout == nil {
+		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	if c.Incoming == "" {
+		c.Incoming = "INCOMING"
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 4096
+	}
+	if c.CheckpointInterval == 0 {
+		c.CheckpointInterval = 100 * time.Millisecond
+	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = 5 * time.Second
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = 10 * time.Second
+	}
+	if c.Heartbeat == 0 {
+		c.Heartbeat = time.Second
+	}
+	if c.PullBatch == 0 {
+		c.PullBatch = 512
+	}
+	if c.RetryBackoff == 0 {
+		c.RetryBackoff = 50 * time.Millisecond
+	}
+	if c.MaxRetryBackoff == 0 {
+		c.MaxRetryBackoff = 2 * time.Second
+	}
+	switch {
+	case c.MaxInFlight < 1:
+		return fmt.Errorf("%w: MaxInFlight %d must be at least 1", ErrInvalidConfig, c.MaxInFlight)
+	case c.MaxInFlight > 50_000:
+		return fmt.Errorf("%w: MaxInFlight %d must stay far below the server's ingest queue (100k); use at most 50000", ErrInvalidConfig, c.MaxInFlight)
+	case c.CheckpointInterval < 0, c.PublishTimeout < 0, c.DrainTimeout < 0, c.Heartbeat < 0, c.RetryBackoff < 0:
+		return fmt.Errorf("%w: durations must be positive", ErrInvalidConfig)
+	}
+	return nil
+}
+
+// Stats are counters of a pool's work since it was created.
+type Stats struct {
+	Mapped     uint64            // messages acknowledged by OUTGOING as new
+	Unmapped   map[string]uint64 // messages acknowledged by UNMAPPED, by reason
+	Duplicates uint64            // publishes OUTGOING or UNMAPPED acknowledged as duplicates
+	Retries    uint64            // messages republished after a publish failure
+	Failures   uint64            // publish failures (each one is retried or dead-lettered)
+	InFlight   int               // publishes awaiting acknowledgement now
+}
+
+// Pool runs lanes: one per owned partition, sharing one bound on the publishes in flight.
+// Its methods are safe for concurrent use.
+type Pool struct {
+	js     jetstream.JetStream // consumers
+	pub    jetstream.JetStream // publishes, with an ack timeout
+	nc     *nats.Conn
+	ctl    jetstream.KeyValue
+	lookup LookupFunc
+	cfg    Config
+	log    zerolog.Logger
+
+	sem chan struct{} // one token per publish in flight, shared by all lanes (I5)
+
+	mapped, duplicates, retries, failures atomic.Uint64
+	unmappedMu                            sync.Mutex
+	unmapped                              map[string]uint64
+
+	warnMu   sync.Mutex
+	warnLast map[string]time.Time
+	warnSkip map[string]int
+}
+
+// New returns a pool that consumes with js, writes checkpoints to the control bucket ctl and
+// maps devices with lookup. The connection js was made on should use
+// nats.ReconnectBufSize(-1), so that nothing published while reconnecting is sent behind a
+// message that failed: the pool relies on it to keep order across reconnects.
+func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg Config) (*Pool, error) {
+	if js == nil || ctl == nil || lookup == nil {
+		return nil, fmt.Errorf("%w: js, control bucket and lookup are required", ErrInvalidConfig)
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	// Publishes get their own JetStream context: the ack timeout is a context option, and the
+	// caller's context may be shared with others that want none.
+	o := js.Options()
+	var opts []jetstream.JetStreamOpt
+	opts = append(opts, jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout), jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+1))
+	var pub jetstream.JetStream
+	var err error
+	switch {
+	case o.Domain != "":
+		pub, err = jetstream.NewWithDomain(js.Conn(), o.Domain, opts...)
+	case o.APIPrefix != "":
+		pub, err = jetstream.NewWithAPIPrefix(js.Conn(), o.APIPrefix, opts...)
+	default:
+		pub, err = jetstream.New(js.Conn(), opts...)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("lanes: publishing context: %w", err)
+	}
+	return &Pool{
+		js:       js,
+		pub:      pub,
+		nc:       js.Conn(),
+		ctl:      ctl,
+		lookup:   lookup,
+		cfg:      cfg,
+		log:      cfg.Logger,
+		sem:      make(chan struct{}, cfg.MaxInFlight),
+		unmapped: make(map[string]uint64),
+		warnLast: make(map[string]time.Time),
+		warnSkip: make(map[string]int),
+	}, nil
+}
+
+// Run runs the lane of one partition until ctx is done, the lease's clock runs out or another
+// owner fences it. On the way out it stops reading, waits for its in-flight publishes (up to
+// DrainTimeout) and writes the final checkpoint, so the next owner starts exactly after the
+// last acknowledged message. It returns nil when ctx ended it, [ErrFenced] when it lost the
+// partition, or another error it could not recover from.
+func (p *Pool) Run(ctx context.Context, a Assignment) error {
+	if a.Partition < 0 || a.Partition >= p.cfg.Layout.Partitions {
+		return fmt.Errorf("%w: partition %d outside 0..%d", ErrInvalidConfig, a.Partition, p.cfg.Layout.Partitions-1)
+	}
+	l := newLane(p, a)
+	return l.run(ctx)
+}
+
+// Stats returns the pool's counters.
+func (p *Pool) Stats() Stats {
+	s := Stats{
+		Mapped:     p.mapped.Load(),
+		Duplicates: p.duplicates.Load(),
+		Retries:    p.retries.Load(),
+		Failures:   p.failures.Load(),
+		InFlight:   len(p.sem),
+		Unmapped:   make(map[string]uint64),
+	}
+	p.unmappedMu.Lock()
+	for k, v := range p.unmapped {
+		s.Unmapped[k] = v
+	}
+	p.unmappedMu.Unlock()
+	return s
+}
+
+// generation counts the connection's reconnects. A publish made in one generation and still
+// unacknowledged in a later one has failed, or is failing: its future reports ErrDisconnected.
+func (p *Pool) generation() uint64 { return p.nc.Stats().Reconnects }
+
+func (p *Pool) countUnmapped(reason string) {
+	p.unmappedMu.Lock()
+	p.unmapped[reason]++
+	p.unmappedMu.Unlock()
+}
+
+// warn logs at most one line per second per kind of problem, with the number it left out, so a
+// flood of bad input cannot flood the log (I6).
+func (p *Pool) warn(kind string, f func(e *zerolog.Event)) {
+	p.warnMu.Lock()
+	now := time.Now()
+	if now.Sub(p.warnLast[kind]) < time.Second {
+		p.warnSkip[kind]++
+		p.warnMu.Unlock()
+		return
+	}
+	skipped := p.warnSkip[kind]
+	p.warnSkip[kind] = 0
+	p.warnLast[kind] = now
+	p.warnMu.Unlock()
+	e := p.log.Warn()
+	if skipped > 0 {
+		e = e.Int("suppressed", skipped)
+	}
+	f(e)
+}

@@ -1,0 +1,334 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+	"github.com/urfave/cli/v2"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmapper/kvmapper/election"
+	"github.com/kvmapper/kvmapper/kv"
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
+)
+
+func runCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "run",
+		Usage: "run one replica of the mapper (start it N times for failover)",
+		Description: "Creates or verifies the streams and buckets, loads the groups table, takes its share of the\n" +
+			"partitions and republishes INCOMING to OUTGOING until SIGINT or SIGTERM, when it drains,\n" +
+			"writes final checkpoints and hands its partitions over.\n\n" +
+			"   First run on a machine with only Go:  go run . run --embedded",
+		Flags: flags(connFlags(), []cli.Flag{
+			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen", EnvVars: env("EMBEDDED")},
+			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server", EnvVars: env("LISTEN")},
+			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server", EnvVars: env("DATA_DIR")},
+			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
+			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT")},
+			&cli.DurationFlag{Name: "lease-ttl", Value: 2 * time.Second, Usage: "partition lease TTL: a dead replica's partitions move after about this (whole seconds)", EnvVars: env("LEASE_TTL")},
+			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
+			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
+			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
+			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
+			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes", EnvVars: env("DRAIN_TIMEOUT")},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
+		}, layoutFlags(), logFlags()),
+		Action: runAction,
+	}
+}
+
+func setupCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "setup",
+		Usage: "create or verify the streams and buckets, and say what it did",
+		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
+			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
+		Flags: flags(connFlags(), layoutFlags(), logFlags()),
+		Action: func(c *cli.Context) error {
+			lay, err := layout(c)
+			if err != nil {
+				return err
+			}
+			scfg, err := setupConfig(c, lay)
+			if err != nil {
+				return err
+			}
+			log, err := logger(c, c.App.ErrWriter)
+			if err != nil {
+				return err
+			}
+			nc, err := connect(c.String("server"), "kvmapper setup", log)
+			if err != nil {
+				return err
+			}
+			defer nc.Close()
+			js, err := jetstream.New(nc)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
+			defer cancel()
+			lines, err := setup.Ensure(ctx, js, scfg)
+			for _, l := range lines {
+				fmt.Fprintln(c.App.Writer, l)
+			}
+			return err
+		},
+	}
+}
+
+// connect dials NATS for a kvmapper process. Publishing is not buffered while reconnecting
+// (ReconnectBufSize -1): nothing sent then could overtake a message that failed, which is what
+// keeps per-device order across reconnects (see package lanes).
+func connect(servers, name string, log zerolog.Logger) (*nats.Conn, error) {
+	opts := []nats.Option{
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectBufSize(-1),
+		nats.RetryOnFailedConnect(false),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn().Err(err).Msg("disconnected from NATS; reconnecting")
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info().Str("server", nc.ConnectedUrlRedacted()).Msg("reconnected to NATS")
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			ev := log.Error().Err(err)
+			if sub != nil {
+				ev = ev.Str("subject", sub.Subject)
+			}
+			ev.Msg("NATS error")
+		}),
+	}
+	nc, err := nats.Connect(servers, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to NATS at %s: %w (is a server running? try kvmapper run --embedded)", servers, err)
+	}
+	return nc, nil
+}
+
+func defaultReplicaID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "kvmapper"
+	}
+	host = strings.Map(func(r rune) rune {
+		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		return '-'
+	}, host)
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return host + "-" + hex.EncodeToString(b[:])
+}
+
+func runAction(c *cli.Context) error {
+	lay, err := layout(c)
+	if err != nil {
+		return err
+	}
+	scfg, err := setupConfig(c, lay)
+	if err != nil {
+		return err
+	}
+	log, err := logger(c, c.App.ErrWriter)
+	if err != nil {
+		return err
+	}
+	for _, name := range []string{"renew-interval", "grace", "checkpoint-interval", "publish-timeout", "drain-timeout"} {
+		if err := positive(c, name); err != nil {
+			return err
+		}
+	}
+	if err := wholeSeconds(c, "lease-ttl"); err != nil {
+		return err
+	}
+	if n := c.Int("max-in-flight"); n < 1 || n > 50_000 {
+		return usagef("invalid value %d for flag --max-in-flight: use 1 to 50000 (the server refuses single messages past 100k queued)", n)
+	}
+	id := c.String("replica-id")
+	if id == "" {
+		id = defaultReplicaID()
+	}
+	log = log.With().Str("replica", id).Logger()
+
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	servers := c.String("server")
+	if c.Bool("embedded") {
+		srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"))
+		if err != nil {
+			return err
+		}
+		defer func() {
+			srv.Shutdown()
+			srv.WaitForShutdown()
+		}()
+		servers = url
+		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
+	}
+
+	nc, err := connect(servers, "kvmapper "+id, log)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	sctx, scancel := context.WithTimeout(ctx, 30*time.Second)
+	lines, err := setup.Ensure(sctx, js, scfg)
+	scancel()
+	for _, l := range lines {
+		log.Debug().Msg(l)
+	}
+	if err != nil {
+		return err
+	}
+	groupsKV, err := js.KeyValue(ctx, scfg.Groups)
+	if err != nil {
+		return fmt.Errorf("opening bucket %s: %w", scfg.Groups, err)
+	}
+	control, err := js.KeyValue(ctx, scfg.Control)
+	if err != nil {
+		return fmt.Errorf("opening bucket %s: %w", scfg.Control, err)
+	}
+
+	table, err := kv.New(groupsKV, kv.Config{Logger: log.With().Str("component", "kv").Logger()})
+	if err != nil {
+		return err
+	}
+	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
+		e, ok := table.Lookup(device)
+		if !ok {
+			return "", 0, lanes.ReasonNoMapping
+		}
+		return e.Group, e.Revision, e.Reason
+	}, lanes.Config{
+		Layout:             lay,
+		Incoming:           scfg.Incoming,
+		MaxInFlight:        c.Int("max-in-flight"),
+		CheckpointInterval: c.Duration("checkpoint-interval"),
+		PublishTimeout:     c.Duration("publish-timeout"),
+		DrainTimeout:       c.Duration("drain-timeout"),
+		NoProvenance:       c.Bool("no-provenance"),
+		Logger:             log.With().Str("component", "lanes").Logger(),
+	})
+	if err != nil {
+		return asUsage(err, lanes.ErrInvalidConfig)
+	}
+	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
+		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
+	}, election.Config{
+		ReplicaID:     id,
+		Partitions:    lay.Partitions,
+		LeaseTTL:      c.Duration("lease-ttl"),
+		RenewInterval: c.Duration("renew-interval"),
+		Grace:         c.Duration("grace"),
+		// A releasing lane may wait DrainTimeout for acknowledgements and then write a checkpoint.
+		ReleaseTimeout: c.Duration("drain-timeout") + 10*time.Second,
+		Logger:         log.With().Str("component", "election").Logger(),
+	})
+	if err != nil {
+		return asUsage(err, election.ErrInvalidConfig)
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return table.Run(gctx) })
+	select {
+	case <-table.Ready():
+	case <-gctx.Done():
+		return g.Wait()
+	}
+	log.Info().Int("devices", table.Len()).Int("partitions", lay.Partitions).
+		Str("from", lay.In.String()).Str("to", lay.Out.String()).Str("unmapped", lay.Unmapped.String()).
+		Msg("groups table loaded; mapping")
+	if c.Bool("embedded") {
+		printNextSteps(c, servers, scfg)
+	}
+	g.Go(func() error { return elector.Run(gctx) })
+	err = g.Wait()
+	st := pool.Stats()
+	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
+		Uint64("retries", st.Retries).Msg("stopped")
+	if err != nil && !errors.Is(err, context.Canceled) {
+		return err
+	}
+	return nil
+}
+
+func startEmbedded(listen, dir string) (*server.Server, string, error) {
+	host, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return nil, "", usagef("invalid value %q for flag --listen: want host:port (%v)", listen, err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < -1 || p > 65535 {
+		return nil, "", usagef("invalid value %q for flag --listen: bad port", listen)
+	}
+	srv, err := server.NewServer(&server.Options{
+		ServerName: "kvmapper-embedded",
+		Host:       host,
+		Port:       p,
+		JetStream:  true,
+		StoreDir:   dir,
+		NoSigs:     true,
+	})
+	if err != nil {
+		return nil, "", fmt.Errorf("starting embedded NATS server: %w", err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		srv.Shutdown()
+		return nil, "", fmt.Errorf("embedded NATS server did not listen on %s within 10s (is the port taken? use --listen)", listen)
+	}
+	return srv, srv.ClientURL(), nil
+}
+
+func printNextSteps(c *cli.Context, url string, cfg setup.Config) {
+	server := ""
+	if url != "nats://127.0.0.1:4222" {
+		server = " -s " + url
+	}
+	fmt.Fprintf(c.App.Writer, `
+kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:
+
+  go tool nats%[4]s kv put %[5]s dev-42 group-a
+  go tool nats%[4]s sub '%[6]s'
+  go tool nats%[4]s pub incoming.dev-42.temp '{"celsius": 21.5}'
+
+(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
+
+`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject())
+}
+
+// asUsage makes err a usage error (exit code 2) when it wraps sentinel: a configuration built
+// from flags that the component refused.
+func asUsage(err, sentinel error) error {
+	if errors.Is(err, sentinel) {
+		return usageError{err}
+	}
+	return err
+}

@@ -1,0 +1,248 @@
+package setup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+var (
+	// ErrMismatch is wrapped by [Ensure]'s error when an existing stream or bucket differs from
+	// what kvmapper needs. The message names the difference and the fix.
+	ErrMismatch = errors.New("setup: existing configuration differs")
+	// ErrInvalidConfig is wrapped by [Ensure]'s error for a configuration it cannot apply.
+	ErrInvalidConfig = errors.New("setup: invalid config")
+)
+
+// MinDuplicateWindow is the shortest OUTGOING duplicate window [Ensure] accepts: above the worst
+// takeover, so anything a deposed owner sent is still recognised as a duplicate.
+const MinDuplicateWindow = 2 * time.Minute
+
+// Config names what [Ensure] creates or verifies. Zero fields mean the defaults given.
+type Config struct {
+	Layout   *subjects.Layout // required
+	Incoming string           // default "INCOMING"
+	Outgoing string           // default "OUTGOING"
+	Unmapped string           // default "UNMAPPED"
+	Groups   string           // groups bucket, default "device-groups"
+	Control  string           // control bucket, default "kvmapper"
+	// Replicas is the replica count of streams and buckets created. Default 1.
+	Replicas int
+	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
+	DuplicateWindow time.Duration
+	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
+	LimitMarkerTTL time.Duration
+}
+
+// Defaults fills in the zero fields of c.
+func (c *Config) Defaults() {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&c.Incoming, "INCOMING")
+	def(&c.Outgoing, "OUTGOING")
+	def(&c.Unmapped, "UNMAPPED")
+	def(&c.Groups, "device-groups")
+	def(&c.Control, "kvmapper")
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.DuplicateWindow == 0 {
+		c.DuplicateWindow = MinDuplicateWindow
+	}
+	if c.LimitMarkerTTL == 0 {
+		c.LimitMarkerTTL = time.Minute
+	}
+}
+
+// Ensure creates what is missing and verifies what exists, and returns one line per stream and
+// bucket saying which it did. It changes nothing that exists. Safe to run any number of times
+// and from several replicas at once.
+func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
+	cfg.Defaults()
+	if cfg.Layout == nil {
+		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	if cfg.DuplicateWindow < MinDuplicateWindow {
+		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
+	}
+	lay := cfg.Layout
+	var report []string
+	steps := []func() (string, error){
+		func() (string, error) { return ensureIncoming(ctx, js, cfg) },
+		func() (string, error) {
+			return ensureOutput(ctx, js, cfg, cfg.Outgoing, lay.OutStreamSubject(), "republished messages")
+		},
+		func() (string, error) {
+			return ensureOutput(ctx, js, cfg, cfg.Unmapped, lay.UnmappedStreamSubject(), "dead letters")
+		},
+		func() (string, error) { return ensureGroups(ctx, js, cfg) },
+		func() (string, error) { return ensureControl(ctx, js, cfg) },
+	}
+	for _, step := range steps {
+		line, err := step()
+		if err != nil {
+			return report, err
+		}
+		report = append(report, line)
+	}
+	return report, nil
+}
+
+func ensureIncoming(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	lay := cfg.Layout
+	want := jetstream.StreamConfig{
+		Name:        cfg.Incoming,
+		Description: "kvmapper input: device messages, partitioned by device on ingest",
+		Subjects:    []string{lay.StreamSubject()},
+		SubjectTransform: &jetstream.SubjectTransformConfig{
+			Source:      lay.TransformSource(),
+			Destination: lay.TransformDest(),
+		},
+		Storage:   jetstream.FileStorage,
+		Retention: jetstream.LimitsPolicy,
+		Replicas:  cfg.Replicas,
+	}
+	info, created, err := createOrGet(ctx, js, want)
+	if err != nil {
+		return "", err
+	}
+	if created {
+		return fmt.Sprintf("created stream %s: %s stored as %s", cfg.Incoming, lay.StreamSubject(), lay.TransformDest()), nil
+	}
+	got := info.Config
+	if !slices.Contains(got.Subjects, lay.StreamSubject()) {
+		return "", fmt.Errorf("%w: stream %s captures %v, not %q: fix its subjects with `nats stream edit %s --subjects %q`, or pass the --in template it was built for",
+			ErrMismatch, cfg.Incoming, got.Subjects, lay.StreamSubject(), cfg.Incoming, lay.StreamSubject())
+	}
+	if got.SubjectTransform == nil || got.SubjectTransform.Destination != lay.TransformDest() {
+		dest := "no subject transform"
+		if got.SubjectTransform != nil {
+			dest = fmt.Sprintf("the subject transform %q → %q", got.SubjectTransform.Source, got.SubjectTransform.Destination)
+			if m := partitionsRE.FindStringSubmatch(got.SubjectTransform.Destination); m != nil && m[1] != fmt.Sprint(lay.Partitions) {
+				return "", fmt.Errorf("%w: stream %s is partitioned into %s partitions (%s) but kvmapper runs with %d: run with --partitions %s, or recreate the stream (`nats stream rm %s`, then kvmapper setup) — the partition count is fixed once messages are stored",
+					ErrMismatch, cfg.Incoming, m[1], got.SubjectTransform.Destination, lay.Partitions, m[1], cfg.Incoming)
+			}
+		}
+		return "", fmt.Errorf("%w: stream %s has %s, kvmapper needs %q → %q: recreate it (`nats stream rm %s`, then kvmapper setup) or fix the --in template and --partitions",
+			ErrMismatch, cfg.Incoming, dest, lay.TransformSource(), lay.TransformDest(), cfg.Incoming)
+	}
+	return fmt.Sprintf("stream %s ok: %s stored as %s", cfg.Incoming, lay.StreamSubject(), lay.TransformDest()), nil
+}
+
+var partitionsRE = regexp.MustCompile(`partition\((\d+),`)
+
+func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name, subject, what string) (string, error) {
+	want := jetstream.StreamConfig{
+		Name:        name,
+		Description: "kvmapper output: " + what,
+		Subjects:    []string{subject},
+		Storage:     jetstream.FileStorage,
+		Retention:   jetstream.LimitsPolicy,
+		Duplicates:  cfg.DuplicateWindow,
+		Replicas:    cfg.Replicas,
+	}
+	info, created, err := createOrGet(ctx, js, want)
+	if err != nil {
+		return "", err
+	}
+	if created {
+		return fmt.Sprintf("created stream %s: %s, duplicate window %v", name, subject, cfg.DuplicateWindow), nil
+	}
+	got := info.Config
+	if !slices.Contains(got.Subjects, subject) {
+		return "", fmt.Errorf("%w: stream %s captures %v, not %q: add it with `nats stream edit %s --subjects %q`",
+			ErrMismatch, name, got.Subjects, subject, name, subject)
+	}
+	if got.Duplicates < MinDuplicateWindow {
+		return "", fmt.Errorf("%w: stream %s has a duplicate window of %v, below the %v a takeover needs to drop what a deposed owner sent: `nats stream edit %s --dupe-window %v`",
+			ErrMismatch, name, got.Duplicates, MinDuplicateWindow, name, MinDuplicateWindow)
+	}
+	return fmt.Sprintf("stream %s ok: %s, duplicate window %v", name, subject, got.Duplicates), nil
+}
+
+func createOrGet(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig) (*jetstream.StreamInfo, bool, error) {
+	s, err := js.Stream(ctx, want.Name)
+	if err == nil {
+		return s.CachedInfo(), false, nil
+	}
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, false, fmt.Errorf("setup: looking up stream %s: %w", want.Name, err)
+	}
+	s, err = js.CreateStream(ctx, want)
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		// Another replica created it first.
+		s, err = js.Stream(ctx, want.Name)
+		if err != nil {
+			return nil, false, fmt.Errorf("setup: looking up stream %s: %w", want.Name, err)
+		}
+		return s.CachedInfo(), false, nil
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("setup: creating stream %s: %w", want.Name, err)
+	}
+	return s.CachedInfo(), true, nil
+}
+
+func ensureGroups(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	_, err := js.KeyValue(ctx, cfg.Groups)
+	if err == nil {
+		return fmt.Sprintf("bucket %s ok", cfg.Groups), nil
+	}
+	if !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return "", fmt.Errorf("setup: looking up bucket %s: %w", cfg.Groups, err)
+	}
+	_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:      cfg.Groups,
+		Description: "kvmapper: device id → group id",
+		History:     5,
+		Storage:     jetstream.FileStorage,
+		Replicas:    cfg.Replicas,
+	})
+	if err != nil && !errors.Is(err, jetstream.ErrBucketExists) {
+		return "", fmt.Errorf("setup: creating bucket %s: %w", cfg.Groups, err)
+	}
+	return fmt.Sprintf("created bucket %s (device → group)", cfg.Groups), nil
+}
+
+func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	kv, err := js.KeyValue(ctx, cfg.Control)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket:         cfg.Control,
+			Description:    "kvmapper: leases, members, checkpoints",
+			History:        1,
+			Storage:        jetstream.FileStorage,
+			Replicas:       cfg.Replicas,
+			LimitMarkerTTL: cfg.LimitMarkerTTL,
+		})
+		if err == nil {
+			return fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control), nil
+		}
+		if !errors.Is(err, jetstream.ErrBucketExists) {
+			return "", fmt.Errorf("setup: creating bucket %s: %w", cfg.Control, err)
+		}
+		kv, err = js.KeyValue(ctx, cfg.Control)
+	}
+	if err != nil {
+		return "", fmt.Errorf("setup: looking up bucket %s: %w", cfg.Control, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return "", fmt.Errorf("setup: reading bucket %s: %w", cfg.Control, err)
+	}
+	if st.LimitMarkerTTL() == 0 {
+		return "", fmt.Errorf("%w: bucket %s was created without LimitMarkerTTL, which lease expiry needs: remove it (`nats kv rm %s`, checkpoints are lost and partitions restart from the beginning of INCOMING) and run kvmapper setup, or name another with --control-bucket",
+			ErrMismatch, cfg.Control, cfg.Control)
+	}
+	return fmt.Sprintf("bucket %s ok", cfg.Control), nil
+}
