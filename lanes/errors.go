@@ -21,11 +21,11 @@ const (
 
 // Headers kvmapper sets on the messages it publishes.
 const (
-	HeaderReason    = "KVMapper-Reason"     // why a message went to UNMAPPED
-	HeaderError     = "KVMapper-Error"      // the server's words, when a publish was refused
-	HeaderSubject   = "KVMapper-Subject"    // the stored INCOMING subject, on dead letters
-	HeaderPartition = "KVMapper-Partition"  // provenance: the partition the message came through
-	HeaderEpoch     = "KVMapper-Epoch"      // provenance: the owner's lease epoch
-	HeaderRevision  = "KVMapper-Revision"   // provenance: KV revision of the mapping used
+	HeaderReason    = "KVMapper-Reason"      // why a message went to UNMAPPED
+	HeaderError     = "KVMapper-Error"       // the server's words, when a publish was refused
+	HeaderSubject   = "KVMapper-Subject"     // the stored INCOMING subject, on dead letters
+	HeaderPartition = "KVMapper-Partition"   // provenance: the partition the message came through
+	HeaderEpoch     = "KVMapper-Epoch"       // provenance: the owner's lease epoch
+	HeaderRevision  = "KVMapper-Revision"    // provenance: KV revision of the mapping used
 	HeaderOrigMsgID = "KVMapper-Orig-Msg-Id" // a Nats-Msg-Id the device set, kept under another name
 )

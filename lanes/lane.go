@@ -17,11 +17,11 @@ import (
 
 // entry is one INCOMING message on its way out, from publish to acknowledgement.
 type entry struct {
-	seq    uint64       // INCOMING stream sequence
+	seq    uint64        // INCOMING stream sequence
 	src    jetstream.Msg // the consumed message, to rebuild a dead letter from
-	msg    *nats.Msg    // what is published (OUTGOING or UNMAPPED)
-	reason string       // non-empty when msg is a dead letter
-	gen    uint64       // connection generation (reconnect count) when last sent
+	msg    *nats.Msg     // what is published (OUTGOING or UNMAPPED)
+	reason string        // non-empty when msg is a dead letter
+	gen    uint64        // connection generation (reconnect count) when last sent
 
 	fut  jetstream.PubAckFuture
 	okc  <-chan *jetstream.PubAck
