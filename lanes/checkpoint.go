@@ -64,11 +64,17 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 }
 
 // checkpoint writes the acknowledged prefix if it moved, with compare-and-set on the revision of
-// the lane's own last write. A conflict means a newer owner has fenced the partition.
+// the lane's own last write. A conflict means a newer owner has fenced the partition (or, after
+// a write that timed out but was applied, that the lane cannot tell: it stops either way, which
+// is the safe side; its owner restarts it from what is stored).
 func (l *lane) checkpoint(ctx context.Context) error {
 	if l.acked == l.checkpointed {
 		return nil
 	}
+	// Not cancelled with the lane: a write cut short by cancellation may still be applied, and the
+	// lane's next write would then conflict with its own and read as fencing.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
 	var b [20]byte
 	rev, err := l.p.ctl.Update(ctx, l.key, strconv.AppendUint(b[:0], l.acked, 10), l.cpRev)
 	switch {

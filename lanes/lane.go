@@ -171,7 +171,7 @@ func (l *lane) push(e *entry) {
 func (l *lane) send(e *entry) {
 	e.ack, e.err = nil, nil
 	e.gen = l.p.generation()
-	fut, err := l.p.pub.PublishMsgAsync(e.msg)
+	fut, err := l.p.pub.PublishMsgAsync(e.msg, noRetry...)
 	if err != nil {
 		e.err = err
 		l.failed = true
@@ -179,6 +179,10 @@ func (l *lane) send(e *entry) {
 	}
 	e.fut, e.okc, e.errc = fut, fut.Ok(), fut.Err()
 }
+
+// noRetry turns off nats.go's own resend on "no responders": it fires on a timer, out of order
+// with the lane's resends, and could store a later message before an earlier one.
+var noRetry = []jetstream.PublishOpt{jetstream.WithRetryAttempts(0)}
 
 // popSettled removes acknowledged entries from the head of the queue and advances the prefix.
 func (l *lane) popSettled() {

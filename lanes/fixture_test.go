@@ -1,0 +1,255 @@
+package lanes_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// groups is a device → group table for tests, standing in for package kv.
+type groups struct {
+	mu sync.RWMutex
+	m  map[string]string
+}
+
+func (g *groups) set(device, group string) {
+	g.mu.Lock()
+	g.m[device] = group
+	g.mu.Unlock()
+}
+
+func (g *groups) lookup(device string) (string, uint64, string) {
+	g.mu.RLock()
+	grp, ok := g.m[device]
+	g.mu.RUnlock()
+	switch {
+	case !ok:
+		return "", 0, lanes.ReasonNoMapping
+	case subjects.ValidToken(grp) != nil:
+		return "", 7, lanes.ReasonInvalidGroup
+	}
+	return grp, 7, ""
+}
+
+type fixture struct {
+	t      *testing.T
+	srv    *natstest.Server
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	ctl    jetstream.KeyValue
+	lay    *subjects.Layout
+	groups *groups
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	srv := natstest.Start(t)
+	f := &fixture{t: t, srv: srv, groups: &groups{m: map[string]string{}}}
+	f.connect()
+	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.lay = lay
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: lay}); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	if f.ctl, err = f.js.KeyValue(ctx, "kvmapper"); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func (f *fixture) connect() {
+	f.t.Helper()
+	f.nc, f.js = f.srv.JetStream(f.t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectBufSize(-1))
+}
+
+// run starts a pool with every partition, each under its own Valid func, and returns a stop
+// func that cancels them and returns what each Run returned.
+func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
+	f.t.Helper()
+	cfg.Layout = f.lay
+	if cfg.CheckpointInterval == 0 {
+		cfg.CheckpointInterval = 20 * time.Millisecond
+	}
+	pool, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
+	if err != nil {
+		f.t.Fatalf("lanes.New: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	errs := map[int]error{}
+	for p := 0; p < f.lay.Partitions; p++ {
+		a := lanes.Assignment{Partition: p, Epoch: uint64(100 + p)}
+		if valid != nil {
+			a.Valid = func() bool { return valid(p) }
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := pool.Run(ctx, a)
+			mu.Lock()
+			errs[p] = err
+			mu.Unlock()
+		}()
+	}
+	var once sync.Once
+	stop := func() map[int]error {
+		once.Do(func() {
+			cancel()
+			wg.Wait()
+		})
+		return errs
+	}
+	f.t.Cleanup(func() { stop() })
+	return pool, stop
+}
+
+// publish publishes n messages per device in turns, payloads "<device>:0" to "<device>:n-1".
+func (f *fixture) publish(devices []string, n int, hdr nats.Header) {
+	f.t.Helper()
+	f.publishFrom(devices, 0, n, hdr)
+}
+
+// publishFrom publishes payloads "<device>:from" to "<device>:from+n-1", in turns.
+func (f *fixture) publishFrom(devices []string, from, n int, hdr nats.Header) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var futs []jetstream.PubAckFuture
+	for i := from; i < from+n; i++ {
+		for _, d := range devices {
+			m := &nats.Msg{Subject: "incoming." + d + ".evt", Data: []byte(d + ":" + strconv.Itoa(i)), Header: hdr}
+			fut, err := f.js.PublishMsgAsync(m)
+			if err != nil {
+				f.t.Fatalf("PublishMsgAsync: %v", err)
+			}
+			futs = append(futs, fut)
+			if len(futs) == 1000 {
+				f.settle(ctx, futs)
+				futs = futs[:0]
+			}
+		}
+	}
+	f.settle(ctx, futs)
+}
+
+func (f *fixture) settle(ctx context.Context, futs []jetstream.PubAckFuture) {
+	f.t.Helper()
+	for _, fut := range futs {
+		select {
+		case <-fut.Ok():
+		case err := <-fut.Err():
+			f.t.Fatalf("publish to INCOMING: %v", err)
+		case <-ctx.Done():
+			f.t.Fatal("publishing to INCOMING did not complete")
+		}
+	}
+}
+
+// read returns every message of stream in order, waiting until it holds want of them.
+func (f *fixture) read(stream string, want int) []jetstream.Msg {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	natstest.Eventually(f.t, 60*time.Second, func() error {
+		s, err := f.js.Stream(ctx, stream)
+		if err != nil {
+			return err
+		}
+		info, err := s.Info(ctx)
+		if err != nil {
+			return err
+		}
+		if int(info.State.Msgs) < want {
+			return fmt.Errorf("%s holds %d messages, want %d", stream, info.State.Msgs, want)
+		}
+		return nil
+	})
+	cons, err := f.js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var out []jetstream.Msg
+	for len(out) < want {
+		b, err := cons.Fetch(want-len(out), jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		for m := range b.Messages() {
+			out = append(out, m)
+		}
+		if b.Error() != nil && !errors.Is(b.Error(), nats.ErrTimeout) {
+			f.t.Fatal(b.Error())
+		}
+	}
+	return out
+}
+
+// checkOrder checks that msgs hold, for each device, exactly payloads "<device>:0" to
+// "<device>:n-1" in order, on subjects made by subject(device), and nothing else.
+func checkOrder(t *testing.T, msgs []jetstream.Msg, devices []string, n int, subject func(device string) string) {
+	t.Helper()
+	next := map[string]int{}
+	for _, d := range devices {
+		next[d] = 0
+	}
+	for i, m := range msgs {
+		dev, num, ok := strings.Cut(string(m.Data()), ":")
+		want, known := next[dev]
+		if !ok || !known {
+			t.Fatalf("message %d: payload %q from no device of the test", i, m.Data())
+		}
+		got, _ := strconv.Atoi(num)
+		if got != want {
+			t.Fatalf("message %d: device %s payload %d, want %d (reordered, duplicated or lost)", i, dev, got, want)
+		}
+		if s := subject(dev); m.Subject() != s {
+			t.Fatalf("message %d: subject %q, want %q", i, m.Subject(), s)
+		}
+		next[dev] = want + 1
+	}
+	for _, d := range devices {
+		if next[d] != n {
+			t.Fatalf("device %s: %d messages, want %d", d, next[d], n)
+		}
+	}
+}
+
+func devices(n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("dev-%03d", i)
+	}
+	return out
+}
+
+func (f *fixture) checkpoint(p int) uint64 {
+	f.t.Helper()
+	e, err := f.ctl.Get(context.Background(), lanes.CheckpointKey(p))
+	if err != nil {
+		f.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
+	}
+	n, err := strconv.ParseUint(string(e.Value()), 10, 64)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}

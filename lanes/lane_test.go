@@ -1,0 +1,441 @@
+package lanes_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-42", "group-a")
+	pool, _ := f.run(lanes.Config{}, nil)
+
+	hdr := nats.Header{}
+	hdr.Set("Nats-Expected-Stream", "INCOMING")
+	hdr.Set("Nats-Msg-Id", "device-own-id")
+	hdr.Set("X-Trace", "abc")
+	hdr.Add("X-Multi", "one")
+	hdr.Add("X-Multi", "two")
+	payload := []byte("\x00binary\xffpayload with spaces\n")
+	if _, err := f.js.PublishMsg(context.Background(), &nats.Msg{Subject: "incoming.dev-42.temp", Header: hdr, Data: payload}); err != nil {
+		t.Fatal(err)
+	}
+	m := f.read("OUTGOING", 1)[0]
+	if got, want := m.Subject(), "outgoing.group-a.dev-42.temp"; got != want {
+		t.Errorf("Subject()=%q, want %q", got, want)
+	}
+	if string(m.Data()) != string(payload) {
+		t.Errorf("Data()=%q, want %q", m.Data(), payload)
+	}
+	h := m.Headers()
+	p := subjects.Partition("dev-42", 16)
+	for k, want := range map[string][]string{
+		"X-Trace":               {"abc"},
+		"X-Multi":               {"one", "two"},
+		"Nats-Msg-Id":           {"INCOMING:1"},
+		lanes.HeaderOrigMsgID:   {"device-own-id"},
+		lanes.HeaderPartition:   {strconv.Itoa(p)},
+		lanes.HeaderEpoch:       {strconv.Itoa(100 + p)},
+		lanes.HeaderRevision:    {"7"},
+		"Nats-Expected-Stream":  nil,
+		"Nats-Expected-Last-Sq": nil,
+	} {
+		if got := h.Values(k); !slices.Equal(got, want) {
+			t.Errorf("header %s = %q, want %q", k, got, want)
+		}
+	}
+	for k := range h {
+		if strings.HasPrefix(strings.ToLower(k), "nats-expected-") {
+			t.Errorf("header %s survived; Nats-Expected-* addressed INCOMING", k)
+		}
+	}
+	natstest.Eventually(t, 5*time.Second, func() error {
+		if got := f.checkpoint(p); got != 1 {
+			return fmt.Errorf("checkpoint.%d = %d, want 1", p, got)
+		}
+		return nil
+	})
+	if st := pool.Stats(); st.Mapped != 1 || st.Duplicates != 0 {
+		t.Errorf("Stats() = %+v, want 1 mapped, 0 duplicates", st)
+	}
+}
+
+func TestNoProvenance(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	f.run(lanes.Config{NoProvenance: true}, nil)
+	f.publish([]string{"dev-1"}, 1, nil)
+	h := f.read("OUTGOING", 1)[0].Headers()
+	for _, k := range []string{lanes.HeaderPartition, lanes.HeaderEpoch, lanes.HeaderRevision} {
+		if v := h.Get(k); v != "" {
+			t.Errorf("header %s = %q with NoProvenance", k, v)
+		}
+	}
+}
+
+func TestOrderAcrossManyDevices(t *testing.T) {
+	f := newFixture(t)
+	devs := devices(200)
+	for i, d := range devs {
+		f.groups.set(d, "g"+strconv.Itoa(i%5))
+	}
+	group := func(d string) string {
+		i, _ := strconv.Atoi(strings.TrimPrefix(d, "dev-"))
+		return "g" + strconv.Itoa(i%5)
+	}
+	// A small window makes the bound (I5) bite; watch that it holds.
+	pool, stop := f.run(lanes.Config{MaxInFlight: 64}, nil)
+	var maxInFlight atomic.Int64
+	done := make(chan struct{})
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			if n := int64(pool.Stats().InFlight); n > maxInFlight.Load() {
+				maxInFlight.Store(n)
+			}
+		}
+	}()
+	f.publish(devs, 100, nil)
+	msgs := f.read("OUTGOING", 20_000)
+	close(done)
+	<-watched
+	checkOrder(t, msgs, devs, 100, func(d string) string { return "outgoing." + group(d) + "." + d + ".evt" })
+	if m := maxInFlight.Load(); m > 64 {
+		t.Errorf("observed %d publishes in flight, want at most MaxInFlight=64", m)
+	}
+	for p, err := range stop() {
+		if err != nil {
+			t.Errorf("Run(partition %d) = %v, want nil", p, err)
+		}
+	}
+	if st := pool.Stats(); st.Mapped != 20_000 || st.Duplicates != 0 {
+		t.Errorf("Stats() = %+v, want 20000 mapped, 0 duplicates", st)
+	}
+	// The final checkpoints cover every message: a restart would resend nothing.
+	var total uint64
+	for p := 0; p < 16; p++ {
+		total = max(total, f.checkpoint(p))
+	}
+	if total != 20_000 {
+		t.Errorf("highest checkpoint = %d, want 20000", total)
+	}
+}
+
+func TestUnmappedGoToDeadLetters(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("good", "g")
+	bad := map[string]string{
+		"dot":   "a.b",
+		"star":  "*",
+		"gt":    ">",
+		"empty": "",
+		"long":  strings.Repeat("x", 300),
+		"space": "has space",
+	}
+	for d, v := range bad {
+		f.groups.set(d, v)
+	}
+	pool, _ := f.run(lanes.Config{}, nil)
+	devs := []string{"good", "nokey"}
+	for d := range bad {
+		devs = append(devs, d)
+	}
+	f.publish(devs, 3, nil)
+	unmapped := f.read("UNMAPPED", 3*(len(devs)-1))
+	for _, m := range unmapped {
+		dev, _, _ := strings.Cut(string(m.Data()), ":")
+		want := lanes.ReasonInvalidGroup
+		if dev == "nokey" {
+			want = lanes.ReasonNoMapping
+		}
+		if got := m.Headers().Get(lanes.HeaderReason); got != want {
+			t.Errorf("device %s: %s=%q, want %q", dev, lanes.HeaderReason, got, want)
+		}
+		if got := m.Subject(); got != "unmapped."+dev+".evt" {
+			t.Errorf("device %s: subject %q", dev, got)
+		}
+	}
+	checkOrder(t, unmapped, devs[1:], 3, func(d string) string { return "unmapped." + d + ".evt" })
+	checkOrder(t, f.read("OUTGOING", 3), []string{"good"}, 3, func(d string) string { return "outgoing.g.good.evt" })
+
+	// The lanes keep running: a device fixed in the table maps again.
+	f.groups.set("dot", "fixed")
+	if _, err := f.js.Publish(context.Background(), "incoming.dot.evt", []byte("dot:3")); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.read("OUTGOING", 4)[3].Subject(); got != "outgoing.fixed.dot.evt" {
+		t.Errorf("after the fix: subject %q, want outgoing.fixed.dot.evt", got)
+	}
+	st := pool.Stats()
+	if st.Unmapped[lanes.ReasonNoMapping] != 3 || st.Unmapped[lanes.ReasonInvalidGroup] != 18 {
+		t.Errorf("Stats().Unmapped = %v, want 3 no-mapping, 18 invalid-group", st.Unmapped)
+	}
+}
+
+func TestMalformedSubjectIsDeadLettered(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	ctx := context.Background()
+	s, err := f.js.Stream(ctx, "INCOMING")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.CachedInfo().Config
+	// A subject someone added to INCOMING by hand, stored untransformed under partition 7.
+	cfg.Subjects = append(cfg.Subjects, "incoming.7.too.many.tokens")
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	f.run(lanes.Config{}, nil)
+	if _, err := f.js.Publish(ctx, "incoming.7.too.many.tokens", []byte("odd")); err != nil {
+		t.Fatal(err)
+	}
+	f.publish([]string{"dev-1"}, 1, nil)
+	m := f.read("UNMAPPED", 1)[0]
+	if m.Subject() != f.lay.MalformedSubject() || string(m.Data()) != "odd" {
+		t.Errorf("dead letter %q %q, want %q \"odd\"", m.Subject(), m.Data(), f.lay.MalformedSubject())
+	}
+	if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonMalformedSubject {
+		t.Errorf("reason %q, want %q", got, lanes.ReasonMalformedSubject)
+	}
+	if got := m.Headers().Get(lanes.HeaderSubject); got != "incoming.7.too.many.tokens" {
+		t.Errorf("%s = %q", lanes.HeaderSubject, got)
+	}
+	if m.Headers().Get(lanes.HeaderError) == "" {
+		t.Errorf("no %s header saying what is wrong", lanes.HeaderError)
+	}
+	f.read("OUTGOING", 1)
+}
+
+func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	ctx := context.Background()
+	s, err := f.js.Stream(ctx, "OUTGOING")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.CachedInfo().Config
+	cfg.MaxMsgSize = 512
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	pool, _ := f.run(lanes.Config{}, nil)
+	for i, size := range []int{10, 2000, 10} {
+		data := []byte(fmt.Sprintf("dev-1:%d:%s", i, strings.Repeat("x", size)))
+		if _, err := f.js.Publish(ctx, "incoming.dev-1.evt", data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := f.read("OUTGOING", 2)
+	for i, want := range []string{"dev-1:0:", "dev-1:2:"} {
+		if !strings.HasPrefix(string(out[i].Data()), want) {
+			t.Errorf("OUTGOING[%d] = %.20q…, want prefix %q", i, out[i].Data(), want)
+		}
+	}
+	dl := f.read("UNMAPPED", 1)[0]
+	h := dl.Headers()
+	if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != "INCOMING:2" || h.Get(lanes.HeaderError) == "" {
+		t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id INCOMING:2 and the server's error", h)
+	}
+	if dl.Subject() != "unmapped.dev-1.evt" {
+		t.Errorf("dead letter subject %q", dl.Subject())
+	}
+	if st := pool.Stats(); st.Unmapped[lanes.ReasonOversized] != 1 {
+		t.Errorf("Stats().Unmapped = %v, want 1 oversized", st.Unmapped)
+	}
+}
+
+func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
+	f := newFixture(t)
+	devs := devices(50)
+	for _, d := range devs {
+		f.groups.set(d, "g")
+	}
+	pool1, stop1 := f.run(lanes.Config{}, nil)
+	f.publish(devs, 40, nil)
+	f.read("OUTGOING", 1000) // some progress, not necessarily all
+	for p, err := range stop1() {
+		if err != nil {
+			t.Fatalf("Run(%d) = %v", p, err)
+		}
+	}
+	f.publishFrom(devs, 40, 40, nil)
+	pool2, _ := f.run(lanes.Config{}, nil)
+	checkOrder(t, f.read("OUTGOING", 4000), devs, 80, func(d string) string { return "outgoing.g." + d + ".evt" })
+	if d1, d2 := pool1.Stats().Duplicates, pool2.Stats().Duplicates; d1+d2 != 0 {
+		t.Errorf("duplicates sent: %d then %d, want none: the graceful stop checkpoints everything acknowledged", d1, d2)
+	}
+	if got := pool1.Stats().Mapped + pool2.Stats().Mapped; got != 4000 {
+		t.Errorf("mapped %d in all, want 4000", got)
+	}
+}
+
+func TestServerRestartKeepsOrder(t *testing.T) {
+	f := newFixture(t)
+	devs := devices(100)
+	for _, d := range devs {
+		f.groups.set(d, "g")
+	}
+	f.publish(devs, 150, nil)
+	pool, _ := f.run(lanes.Config{PublishTimeout: 2 * time.Second}, nil)
+	f.read("OUTGOING", 500) // mid-stream: thousands still to map
+	f.srv = f.srv.Restart()
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if !f.nc.IsConnected() {
+			return errors.New("test connection not reconnected")
+		}
+		return nil
+	})
+	f.publishFrom(devs, 150, 50, nil)
+	checkOrder(t, f.read("OUTGOING", 20_000), devs, 200, func(d string) string { return "outgoing.g." + d + ".evt" })
+	st := pool.Stats()
+	t.Logf("after a server restart: %+v", st)
+	if st.Failures == 0 {
+		t.Errorf("Stats() = %+v: the restart hit no publish in flight, so this test proved nothing", st)
+	}
+}
+
+func TestOutgoingDeletedPausesAndResumes(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	pool, _ := f.run(lanes.Config{MaxRetryBackoff: 100 * time.Millisecond}, nil)
+	ctx := context.Background()
+	if err := f.js.DeleteStream(ctx, "OUTGOING"); err != nil {
+		t.Fatal(err)
+	}
+	f.publish([]string{"dev-1"}, 20, nil)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if pool.Stats().Failures == 0 {
+			return errors.New("no publish failure yet")
+		}
+		return nil
+	})
+	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: f.lay}); err != nil {
+		t.Fatal(err)
+	}
+	checkOrder(t, f.read("OUTGOING", 20), []string{"dev-1"}, 20, func(string) string { return "outgoing.g.dev-1.evt" })
+}
+
+func TestFencedByCheckpointWrite(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-fence"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	_, stop := f.run(lanes.Config{}, nil)
+	f.publish([]string{dev}, 1, nil)
+	f.read("OUTGOING", 1)
+	natstest.Eventually(t, 5*time.Second, func() error {
+		if f.checkpoint(p) != 1 {
+			return errors.New("checkpoint not written yet")
+		}
+		return nil
+	})
+	// A new owner fences the partition: it rewrites the checkpoint.
+	if _, err := f.ctl.Put(context.Background(), lanes.CheckpointKey(p), []byte("1")); err != nil {
+		t.Fatal(err)
+	}
+	f.publish([]string{dev}, 1, nil)
+	errs := stop()
+	if !errors.Is(errs[p], lanes.ErrFenced) {
+		t.Errorf("Run(partition %d) = %v, want ErrFenced", p, errs[p])
+	}
+	for q, err := range errs {
+		if q != p && err != nil {
+			t.Errorf("Run(partition %d) = %v, want nil", q, err)
+		}
+	}
+}
+
+func TestLeaseClockStopsPublishing(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-lost"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	other := "dev-other"
+	for subjects.Partition(other, 16) == p {
+		other += "x"
+	}
+	f.groups.set(other, "g")
+	var lost atomic.Bool
+	pool, err := lanes.New(f.js, f.ctl, f.groups.lookup, lanes.Config{Layout: f.lay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := make(chan error, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		res <- pool.Run(ctx, lanes.Assignment{Partition: p, Epoch: 1, Valid: func() bool { return !lost.Load() }})
+	}()
+	f.publish([]string{dev}, 1, nil)
+	f.read("OUTGOING", 1)
+	lost.Store(true)
+	f.publish([]string{dev}, 1, nil)
+	select {
+	case err := <-res:
+		if !errors.Is(err, lanes.ErrFenced) {
+			t.Fatalf("Run = %v, want ErrFenced", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("lane kept running after its lease clock ran out")
+	}
+	if n := pool.Stats().Mapped; n != 1 {
+		t.Errorf("mapped %d, want 1: nothing may be published once the lease is invalid", n)
+	}
+	s, _ := f.js.Stream(context.Background(), "OUTGOING")
+	info, _ := s.Info(context.Background())
+	if info.State.Msgs != 1 {
+		t.Errorf("OUTGOING holds %d, want 1", info.State.Msgs)
+	}
+}
+
+func TestInvalidConfig(t *testing.T) {
+	f := newFixture(t)
+	for name, cfg := range map[string]lanes.Config{
+		"no layout":        {},
+		"negative window":  {Layout: f.lay, MaxInFlight: -1},
+		"window too large": {Layout: f.lay, MaxInFlight: 100_000},
+	} {
+		t.Run(name, func(t *testing.T) {
+			if _, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg); !errors.Is(err, lanes.ErrInvalidConfig) {
+				t.Errorf("New() error = %v, want ErrInvalidConfig", err)
+			}
+		})
+	}
+	pool, err := lanes.New(f.js, f.ctl, f.groups.lookup, lanes.Config{Layout: f.lay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.Run(context.Background(), lanes.Assignment{Partition: 16}); !errors.Is(err, lanes.ErrInvalidConfig) {
+		t.Errorf("Run(partition 16 of 16) = %v, want ErrInvalidConfig", err)
+	}
+}
+
+var _ = jetstream.ErrKeyExists

@@ -1,0 +1,147 @@
+package subjects
+
+import (
+	"fmt"
+	"strings"
+)
+
+// span is a half-open byte range of a subject.
+type span struct{ start, end int }
+
+// Fields are the placeholder values of one stored INCOMING subject, kept as spans into that subject
+// so that [Layout.Parse] and the accessors never allocate. The zero value is ready to use and
+// reports empty values; reuse one per lane. Fields is not safe for concurrent use.
+type Fields struct {
+	subject   string
+	partition int
+	dev       int // index of {device} in spans
+	spans     [MaxPlaceholders]span
+	layout    *Layout
+}
+
+// Device returns the {device} token, a substring of the parsed subject.
+func (f *Fields) Device() string {
+	sp := f.spans[f.dev]
+	return f.subject[sp.start:sp.end]
+}
+
+// Partition returns the partition token of the parsed subject.
+func (f *Fields) Partition() int { return f.partition }
+
+// Subject returns the parsed subject.
+func (f *Fields) Subject() string { return f.subject }
+
+// Value returns the value of the In placeholder name, or "" if In has no such placeholder.
+func (f *Fields) Value(name string) string {
+	if f.layout == nil {
+		return ""
+	}
+	i := f.layout.inIndex(name)
+	if i < 0 {
+		return ""
+	}
+	sp := f.spans[i]
+	return f.subject[sp.start:sp.end]
+}
+
+// Parse fills f from a stored INCOMING subject such as "incoming.7.dev-42.temp". It does not
+// allocate when it succeeds. On failure it resets f and returns an error wrapping
+// [ErrMalformedSubject]: wrong token count, literal mismatch, empty or wildcard token, or a partition
+// token that is not a decimal number below l.Partitions in the server's form (no sign, no leading
+// zero). Parse does not check that the partition token is the hash of the device: the server
+// assigned it, and the lane must follow what is stored.
+func (l *Layout) Parse(stored string, f *Fields) error {
+	if !strings.HasPrefix(stored, l.inPrefixDot) {
+		return l.parseError(stored, f, "does not start with "+l.inPrefixDot)
+	}
+	i := len(l.inPrefixDot)
+	j := strings.IndexByte(stored[i:], '.')
+	if j < 0 {
+		return l.parseError(stored, f, "too few tokens")
+	}
+	p, ok := parsePartition(stored[i:i+j], l.Partitions)
+	if !ok {
+		return l.parseError(stored, f, fmt.Sprintf("partition token %q is not a number from 0 to %d", stored[i:i+j], l.Partitions-1))
+	}
+	i += j + 1
+	ph := 0
+	for k, tk := range l.inRest {
+		end := len(stored)
+		j := strings.IndexByte(stored[i:], '.')
+		switch {
+		case k < len(l.inRest)-1 && j < 0:
+			return l.parseError(stored, f, "too few tokens")
+		case k == len(l.inRest)-1 && j >= 0:
+			return l.parseError(stored, f, "too many tokens")
+		case j >= 0:
+			end = i + j
+		}
+		tok := stored[i:end]
+		switch {
+		case tok == "":
+			return l.parseError(stored, f, "empty token")
+		case !tk.ph:
+			if tok != tk.text {
+				return l.parseError(stored, f, fmt.Sprintf("token %q where %q was expected", tok, tk.text))
+			}
+		case tok == "*" || tok == ">":
+			return l.parseError(stored, f, "wildcard token")
+		default:
+			f.spans[ph] = span{i, end}
+			ph++
+		}
+		i = end + 1
+	}
+	f.subject, f.partition, f.dev, f.layout = stored, p, l.devIdx, l
+	return nil
+}
+
+func (l *Layout) parseError(stored string, f *Fields, why string) error {
+	*f = Fields{}
+	return fmt.Errorf("%w: %q: %s (want %s)", ErrMalformedSubject, stored, why, l.storedShape)
+}
+
+// parsePartition parses a partition token exactly as the server writes it (strconv.Itoa), so that
+// every accepted subject renders back to itself.
+func parsePartition(s string, n int) (int, bool) {
+	if s == "" || len(s) > 1 && s[0] == '0' || len(s) > 4 {
+		return 0, false
+	}
+	p := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		p = p*10 + int(c-'0')
+	}
+	return p, p < n
+}
+
+// AppendOut appends the Out subject for f and group to dst and returns the extended slice. It does
+// not allocate when dst has room. It does not validate group: check it once with [ValidToken] when
+// it is read. f must have been filled by l.Parse.
+func (l *Layout) AppendOut(dst []byte, f *Fields, group string) []byte {
+	return l.appendOps(dst, l.outOps, f, group)
+}
+
+// AppendUnmapped appends the Unmapped subject for f to dst and returns the extended slice. It does
+// not allocate when dst has room. f must have been filled by l.Parse.
+func (l *Layout) AppendUnmapped(dst []byte, f *Fields) []byte {
+	return l.appendOps(dst, l.unmappedOps, f, "")
+}
+
+func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, group string) []byte {
+	for _, o := range ops {
+		switch o.kind {
+		case opLit:
+			dst = append(dst, o.text...)
+		case opGroup:
+			dst = append(dst, group...)
+		case opField:
+			sp := f.spans[o.idx]
+			dst = append(dst, f.subject[sp.start:sp.end]...)
+		}
+	}
+	return dst
+}

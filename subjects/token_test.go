@@ -1,0 +1,51 @@
+package subjects_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+func TestValidToken(t *testing.T) {
+	tests := []struct {
+		name, in string
+		why      string // substring of the error; "" means valid
+	}{
+		{"simple", "group-b", ""},
+		{"accented", "héllo", ""},
+		{"max length", strings.Repeat("a", subjects.MaxTokenLen), ""},
+		{"replacement char is valid UTF-8", "a\uFFFDb", ""},
+		{"dot", "a.b", "contains '.'"},
+		{"star", "*", "contains '*'"},
+		{"star inside", "a*b", "contains '*'"},
+		{"gt", ">", "contains '>'"},
+		{"empty", "", "empty"},
+		{"300 chars", strings.Repeat("x", 300), "longer than 255 bytes"},
+		{"space", "with space", "white space"},
+		{"tab", "tab\t", "white space"},
+		{"newline", "a\nb", "white space"},
+		{"no-break space", "a\u00a0b", "white space"},
+		{"control", "\x01", "control character"},
+		{"delete", "a\x7f", "control character"},
+		{"invalid utf8", "a\xffb", "not valid UTF-8"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := subjects.ValidToken(tt.in)
+			if tt.why == "" {
+				if err != nil {
+					t.Fatalf("ValidToken(%q) = %v, want nil", tt.in, err)
+				}
+				return
+			}
+			if !errors.Is(err, subjects.ErrInvalidToken) {
+				t.Fatalf("ValidToken(%q) = %v, want an error wrapping ErrInvalidToken", tt.in, err)
+			}
+			if !strings.Contains(err.Error(), tt.why) {
+				t.Fatalf("ValidToken(%q) = %q, want it to say %q", tt.in, err, tt.why)
+			}
+		})
+	}
+}
