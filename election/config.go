@@ -1,0 +1,134 @@
+package election
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// Config tunes an [Elector]. Zero fields take the documented defaults; [New] fills them in and
+// validates the result.
+type Config struct {
+	// ReplicaID names this replica in member.<id> and as the value of the leases it holds.
+	// Required; it must be a valid KV key suffix (letters, digits, '-', '_', '=', '/', and dots
+	// between non-empty tokens) and unique among running replicas.
+	ReplicaID string
+	// Partitions is the number of partitions, numbered 0 to Partitions-1. Required, at least 1.
+	Partitions int
+	// LeaseTTL is the per-key TTL of lease.<p>. The server takes whole seconds, at least 1s.
+	// Default 2s.
+	LeaseTTL time.Duration
+	// RenewInterval is how often leases and the member key are renewed. Default LeaseTTL/4.
+	RenewInterval time.Duration
+	// Margin is the self-fencing safety margin: a lease is valid until the last successful
+	// renewal's send time + LeaseTTL − Margin. It must be below LeaseTTL − RenewInterval.
+	// Default 250ms.
+	Margin time.Duration
+	// Grace is how long a partition may stay unowned before any replica claims it regardless
+	// of rank (the replica it ranks first for may be slow or partitioned). Default LeaseTTL.
+	Grace time.Duration
+	// MemberTTL is the per-key TTL of member.<id>; whole seconds, at least 1s. Default LeaseTTL.
+	MemberTTL time.Duration
+	// ReleaseTimeout bounds how long the Elector waits for a Work to return after cancelling it,
+	// on release and on shutdown. Default 30s.
+	ReleaseTimeout time.Duration
+	// Logger receives ownership changes at info level and routine renewals at debug level.
+	// The zero value discards everything.
+	Logger zerolog.Logger
+	// OnChange, if set, is called for every ownership change this replica observes in the
+	// bucket (its own and other replicas'), from the goroutine that reads the watch. It must not
+	// block.
+	OnChange func(Change)
+}
+
+// Change is one ownership change of a partition, as observed by this replica's watch.
+type Change struct {
+	// Partition is the partition whose owner changed.
+	Partition int
+	// OldOwner is the replica that held it last, or "" if none was seen.
+	OldOwner string
+	// NewOwner is the replica that holds it now, or "" when the lease was released or expired.
+	NewOwner string
+	// Epoch is the KV revision of the lease key when NewOwner claimed it; 0 when NewOwner is "".
+	Epoch uint64
+	// Unowned is how long this replica saw the partition without an owner before NewOwner
+	// claimed it (measured from the delete or expiry marker, or from this replica's start if it
+	// never saw an owner); 0 when NewOwner is "".
+	Unowned time.Duration
+	// At is when this replica observed the change.
+	At time.Time
+}
+
+// withDefaults returns cfg with defaults filled in, or an error wrapping [ErrInvalidConfig].
+func (cfg Config) withDefaults() (Config, error) {
+	bad := func(format string, args ...any) (Config, error) {
+		return Config{}, fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	if !validID(cfg.ReplicaID) {
+		return bad("replica id %q must be a non-empty KV key suffix", cfg.ReplicaID)
+	}
+	if cfg.Partitions < 1 {
+		return bad("partitions %d must be at least 1", cfg.Partitions)
+	}
+	if cfg.LeaseTTL == 0 {
+		cfg.LeaseTTL = 2 * time.Second
+	}
+	if cfg.LeaseTTL < time.Second || cfg.LeaseTTL%time.Second != 0 {
+		return bad("lease ttl %v must be whole seconds, at least 1s", cfg.LeaseTTL)
+	}
+	if cfg.RenewInterval == 0 {
+		cfg.RenewInterval = cfg.LeaseTTL / 4
+	}
+	if cfg.RenewInterval <= 0 || cfg.RenewInterval >= cfg.LeaseTTL {
+		return bad("renew interval %v must be in (0, lease ttl %v)", cfg.RenewInterval, cfg.LeaseTTL)
+	}
+	if cfg.Margin == 0 {
+		cfg.Margin = 250 * time.Millisecond
+	}
+	if cfg.Margin < 0 || cfg.Margin >= cfg.LeaseTTL-cfg.RenewInterval {
+		return bad("margin %v must be in [0, lease ttl − renew interval = %v)", cfg.Margin, cfg.LeaseTTL-cfg.RenewInterval)
+	}
+	if cfg.Grace == 0 {
+		cfg.Grace = cfg.LeaseTTL
+	}
+	if cfg.Grace < 0 {
+		return bad("grace %v must not be negative", cfg.Grace)
+	}
+	if cfg.MemberTTL == 0 {
+		cfg.MemberTTL = cfg.LeaseTTL
+	}
+	if cfg.MemberTTL < time.Second || cfg.MemberTTL%time.Second != 0 || cfg.MemberTTL <= cfg.RenewInterval {
+		return bad("member ttl %v must be whole seconds, at least 1s and above the renew interval", cfg.MemberTTL)
+	}
+	if cfg.ReleaseTimeout == 0 {
+		cfg.ReleaseTimeout = 30 * time.Second
+	}
+	if cfg.ReleaseTimeout < 0 {
+		return bad("release timeout %v must not be negative", cfg.ReleaseTimeout)
+	}
+	return cfg, nil
+}
+
+// validID reports whether id can follow "member." in a KV key: dot-separated non-empty tokens
+// of the characters KV keys allow, without wildcards.
+func validID(id string) bool {
+	if id == "" {
+		return false
+	}
+	for tok := range strings.SplitSeq(id, ".") {
+		if tok == "" {
+			return false
+		}
+		for _, c := range tok {
+			switch {
+			case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+			case c == '-', c == '_', c == '=', c == '/':
+			default:
+				return false
+			}
+		}
+	}
+	return true
+}

@@ -1,0 +1,366 @@
+package election
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+)
+
+// graceHold is how many lease TTLs a partition claimed past Grace, against its rank, is kept
+// before it is handed back to the member it ranks first for.
+const graceHold = 5
+
+// Work runs a partition while this replica owns it. ctx is done when the lease is lost
+// (context.Cause(ctx) is [ErrLeaseLost]) or is being released (Cause is [ErrReleased]) — on
+// rebalance or shutdown. On release the [Elector] keeps renewing the lease and waits for Work to
+// return (up to ReleaseTimeout) before deleting the lease, so Work can drain in-flight work and
+// write its final checkpoint. A Work that returns while its ctx is alive gives the partition up:
+// the lease is released, a non-nil error is logged, and this replica reclaims the partition only
+// after a backoff. Work runs on its own goroutine, one per owned partition; the partition is not
+// claimed again by this replica until Work has returned.
+type Work func(ctx context.Context, l *Lease) error
+
+// Elector takes part in the election of partition owners for one replica. Create it with [New]
+// and run it with [Elector.Run]; [Elector.Owned] is safe for concurrent use.
+type Elector struct {
+	js   jetstream.JetStream
+	kv   jetstream.KeyValue
+	work Work
+	cfg  Config
+	log  zerolog.Logger
+	base time.Time // monotonic origin of lease clocks
+
+	memberKey     string
+	memberSubject string
+	leasePrefix   string // "$KV.<bucket>.lease."
+
+	view     view
+	kick     chan struct{} // wakes the loop; capacity 1
+	resync   chan struct{} // asks the watch goroutine to replay the bucket; capacity 1
+	exits    chan exit     // holders report here; capacity Partitions
+	stopping chan struct{} // closed by Run when it starts shutting down
+	owned    atomic.Pointer[[]int]
+	running  atomic.Bool
+
+	// Owned by the loop goroutine.
+	holders  map[int]*holder
+	failures map[int]int       // consecutive Work failures per partition
+	cooldown map[int]time.Time // no claim before this time
+}
+
+// New returns an Elector for the replica cfg.ReplicaID. js must be the JetStream context the
+// bucket was opened with: renewals publish to the bucket's subjects directly, because
+// jetstream.KeyValue cannot renew a key without dropping its per-key TTL. The bucket must be
+// local to js (no domain or mirror). New does no I/O; it returns an error wrapping
+// [ErrInvalidConfig] when cfg is invalid or a dependency is nil.
+func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Config) (*Elector, error) {
+	if js == nil || bucket == nil || work == nil {
+		return nil, fmt.Errorf("%w: js, bucket and work are required", ErrInvalidConfig)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	e := &Elector{
+		js:            js,
+		kv:            bucket,
+		work:          work,
+		cfg:           cfg,
+		log:           cfg.Logger.With().Str("replica", cfg.ReplicaID).Logger(),
+		base:          time.Now(),
+		memberKey:     "member." + cfg.ReplicaID,
+		memberSubject: "$KV." + bucket.Bucket() + ".member." + cfg.ReplicaID,
+		leasePrefix:   "$KV." + bucket.Bucket() + ".",
+		kick:          make(chan struct{}, 1),
+		resync:        make(chan struct{}, 1),
+		exits:         make(chan exit, cfg.Partitions),
+		stopping:      make(chan struct{}),
+		holders:       make(map[int]*holder),
+		failures:      make(map[int]int),
+		cooldown:      make(map[int]time.Time),
+	}
+	e.owned.Store(&[]int{})
+	return e, nil
+}
+
+// Owned returns the sorted partitions this replica currently holds a lease for, including ones
+// being handed over whose Work has not returned yet. The caller may modify the slice. It is
+// safe for concurrent use.
+func (e *Elector) Owned() []int {
+	return slices.Clone(*e.owned.Load())
+}
+
+// Run takes part in the election until ctx is done, then leaves gracefully: it deletes its
+// member key (so the others rank without it), cancels every Work with [ErrReleased], waits for
+// each (up to ReleaseTimeout), deletes each lease with a revision check, and returns nil. It
+// returns an error if it cannot start (the bucket lacks per-key TTL support, or the member key
+// cannot be written). It returns only after every goroutine it started has exited, except a Work
+// that ignored its context past ReleaseTimeout, which is abandoned and logged. Run may be called
+// only once.
+func (e *Elector) Run(ctx context.Context) error {
+	if !e.running.CompareAndSwap(false, true) {
+		return errors.New("election: Run called twice")
+	}
+	st, err := e.kv.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("election: reading bucket status: %w", err)
+	}
+	if st.LimitMarkerTTL() <= 0 {
+		return fmt.Errorf("%w: bucket %s has no LimitMarkerTTL, which per-key TTLs need", ErrInvalidConfig, e.kv.Bucket())
+	}
+	if err := e.join(ctx); err != nil {
+		return err
+	}
+
+	var wg sync.WaitGroup
+	watchCtx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
+	wg.Go(func() { e.watch(watchCtx) })
+	hbCtx, stopHeartbeat := context.WithCancel(ctx)
+	hbDone := make(chan struct{})
+	go func() { defer close(hbDone); e.heartbeat(hbCtx) }()
+
+	e.loop(ctx, &wg)
+
+	// Leave the membership first, so that the others rank without this replica and claim each
+	// partition the moment its lease is deleted instead of after Grace.
+	stopHeartbeat()
+	<-hbDone
+	e.leave()
+	close(e.stopping)
+	for len(e.holders) > 0 {
+		e.exited(<-e.exits)
+	}
+	stopWatch()
+	wg.Wait()
+	return nil
+}
+
+// loop claims and releases partitions until ctx is done.
+func (e *Elector) loop(ctx context.Context, wg *sync.WaitGroup) {
+	tick := time.NewTicker(e.cfg.LeaseTTL)
+	defer tick.Stop()
+	wake := time.NewTimer(time.Hour)
+	defer wake.Stop()
+	ticks := 0
+	for {
+		if next := e.reconcile(ctx, wg); !next.IsZero() {
+			wake.Reset(time.Until(next))
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-e.kick:
+		case x := <-e.exits:
+			e.exited(x)
+		case <-tick.C:
+			ticks++
+			if ticks%resyncTicks == 0 || e.stale() {
+				select {
+				case e.resync <- struct{}{}:
+				default:
+				}
+			}
+		case <-wake.C:
+		}
+	}
+}
+
+// resyncTicks is how many safety-net ticks (one per LeaseTTL) pass between unconditional
+// replays of the bucket.
+const resyncTicks = 15
+
+// stale reports whether the view shows a lease that has not been renewed for longer than a
+// renewal plus its TTL: the watch missed its expiry (as when a key expires while the server is
+// down: no marker reaches the watch) or has stopped delivering.
+func (e *Elector) stale() bool {
+	e.view.mu.Lock()
+	defer e.view.mu.Unlock()
+	if !e.view.ready {
+		return false
+	}
+	for _, s := range e.view.slots {
+		if s.owner != "" && time.Since(s.seen) > e.cfg.LeaseTTL+e.cfg.RenewInterval {
+			return true
+		}
+	}
+	return false
+}
+
+// kickLoop wakes the loop without blocking.
+func (e *Elector) kickLoop() {
+	select {
+	case e.kick <- struct{}{}:
+	default:
+	}
+}
+
+// reconcile compares the view with the desired ownership: it asks holders of partitions that
+// rank another live member first to hand over, and claims free partitions that rank this
+// replica first or have been unowned longer than Grace. It returns when it next needs to run
+// (zero if only events matter).
+func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
+	ready, live, slots := e.view.snapshot()
+	if !ready {
+		return time.Time{}
+	}
+	me := e.cfg.ReplicaID
+	live[me] = struct{}{}
+	members := make([]string, 0, len(live))
+	for m := range live {
+		members = append(members, m)
+	}
+	now := time.Now()
+	var next time.Time
+	later := func(t time.Time) {
+		if next.IsZero() || t.Before(next) {
+			next = t
+		}
+	}
+	for p, s := range slots {
+		want := Rank(p, members)
+		if h := e.holders[p]; h != nil {
+			// want is a live member: Rank picks from members, all seen alive by the watch. A
+			// partition claimed past Grace is kept for a while, so that a rightful owner that
+			// cannot run it (its Work keeps failing) does not make it bounce every Grace.
+			if want != me && !h.releasing && now.Before(h.keepUntil) {
+				later(h.keepUntil)
+				continue
+			}
+			if want != me && !h.releasing {
+				h.releasing = true
+				close(h.release)
+				e.log.Info().Int("partition", p).Uint64("epoch", h.lease.Epoch).Str("to", want).
+					Msg("handing partition over for rebalance")
+			}
+			continue
+		}
+		if s.owner != "" || ctx.Err() != nil {
+			continue
+		}
+		if until, ok := e.cooldown[p]; ok && now.Before(until) {
+			later(until)
+			continue
+		}
+		if want != me && now.Sub(s.freeSince) < e.cfg.Grace {
+			later(s.freeSince.Add(e.cfg.Grace))
+			continue
+		}
+		e.claim(ctx, wg, p, s, want == me)
+	}
+	return next
+}
+
+// claim tries to create partition p's lease and, on success, starts its holder.
+func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, ranked bool) {
+	key := leaseKey(p)
+	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
+	defer cancel()
+	sent := time.Now()
+	rev, err := e.kv.Create(cctx, key, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.LeaseTTL))
+	if err != nil {
+		if isCASConflict(err) {
+			err = fmt.Errorf("%w: %w", ErrLeaseHeld, err)
+		}
+		e.log.Debug().Err(err).Int("partition", p).Msg("claim failed")
+		return
+	}
+	l := &Lease{Partition: p, Epoch: rev, base: e.base}
+	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
+	h := &holder{e: e, lease: l, key: key, subject: e.leasePrefix + key, rev: rev, release: make(chan struct{})}
+	if !ranked {
+		h.keepUntil = time.Now().Add(graceHold * e.cfg.LeaseTTL)
+	}
+	e.holders[p] = h
+	e.publishOwned()
+	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
+		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("ranked_first", ranked).
+		Msg("partition claimed")
+	wg.Go(func() { e.exits <- h.run(ctx) })
+}
+
+// exited forgets a holder that ended and schedules a backoff after a Work failure.
+func (e *Elector) exited(x exit) {
+	delete(e.holders, x.p)
+	e.publishOwned()
+	switch x.kind {
+	case exitFailed:
+		e.failures[x.p]++
+		backoff := min(e.cfg.LeaseTTL<<min(e.failures[x.p]-1, 5), 30*time.Second)
+		e.cooldown[x.p] = time.Now().Add(backoff)
+	default:
+		delete(e.failures, x.p)
+		delete(e.cooldown, x.p)
+	}
+	e.kickLoop()
+}
+
+// publishOwned stores a fresh snapshot of the owned partitions for Owned.
+func (e *Elector) publishOwned() {
+	ps := make([]int, 0, len(e.holders))
+	for p := range e.holders {
+		ps = append(ps, p)
+	}
+	slices.Sort(ps)
+	e.owned.Store(&ps)
+}
+
+// join writes the member key. A key that already exists belongs to an earlier run of this
+// replica that did not leave cleanly, or to another replica with the same id; either way this
+// replica takes it over and says so.
+func (e *Elector) join(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, e.cfg.LeaseTTL)
+	defer cancel()
+	_, err := e.kv.Create(cctx, e.memberKey, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.MemberTTL))
+	if isCASConflict(err) {
+		e.log.Warn().Msg("member key already exists: an earlier run that did not leave, or a duplicate replica id")
+		err = e.putMember(cctx)
+	}
+	if err != nil {
+		return fmt.Errorf("election: writing member key %s: %w", e.memberKey, err)
+	}
+	return nil
+}
+
+// heartbeat renews the member key every RenewInterval until ctx is done.
+func (e *Elector) heartbeat(ctx context.Context) {
+	t := time.NewTicker(e.cfg.RenewInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			cctx, cancel := context.WithTimeout(ctx, e.cfg.MemberTTL-e.cfg.RenewInterval)
+			if err := e.putMember(cctx); err != nil && ctx.Err() == nil {
+				e.log.Debug().Err(err).Msg("member heartbeat failed")
+			}
+			cancel()
+		}
+	}
+}
+
+// putMember writes the member key with its TTL. There is no compare-and-set: the key only says
+// "alive", and a heartbeat must recreate it if it expired during a network blip.
+func (e *Elector) putMember(ctx context.Context) error {
+	msg := nats.NewMsg(e.memberSubject)
+	msg.Data = []byte(e.cfg.ReplicaID)
+	_, err := e.js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(e.cfg.MemberTTL))
+	return err
+}
+
+// leave deletes the member key; run after the heartbeat has stopped.
+func (e *Elector) leave() {
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
+	defer cancel()
+	if err := e.kv.Delete(ctx, e.memberKey); err != nil {
+		e.log.Warn().Err(err).Msg("deleting member key failed; it will expire")
+	}
+}

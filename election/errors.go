@@ -1,0 +1,40 @@
+package election
+
+import (
+	"errors"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+var (
+	// ErrInvalidConfig is wrapped by the error [New] returns for an unusable [Config], and by
+	// the error [Elector.Run] returns when the bucket cannot hold per-key TTLs.
+	ErrInvalidConfig = errors.New("election: invalid config")
+	// ErrLeaseLost is the cause of a [Work] context that ended because the lease was lost: a
+	// renewal was refused (someone else holds the key) or did not succeed before the lease's
+	// own clock ran out.
+	ErrLeaseLost = errors.New("election: lease lost")
+	// ErrReleased is the cause of a [Work] context that ended because this replica is handing
+	// the partition over, on rebalance or shutdown. The lease stays valid until Work returns.
+	ErrReleased = errors.New("election: lease released")
+	// ErrLeaseHeld reports that a claim lost a compare-and-set race: another replica holds the
+	// lease.
+	ErrLeaseHeld = errors.New("election: lease held by another replica")
+)
+
+// isCASConflict reports whether err is a JetStream compare-and-set conflict ("wrong last
+// sequence"), in any of the shapes nats.go reports it (10071 on R1 streams, 10164 on R3).
+func isCASConflict(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
+		return true
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+			apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+	}
+	return false
+}

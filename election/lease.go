@@ -1,0 +1,220 @@
+package election
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Lease is one partition owned by this replica, handed to [Work].
+type Lease struct {
+	// Partition is the partition this lease is for.
+	Partition int
+	// Epoch is the KV revision of lease.<p> when this replica claimed it. It grows with every
+	// claim of the partition by anyone, so it is a fencing token; it does not change on renewal.
+	Epoch uint64
+
+	base   time.Time    // monotonic origin shared by the Elector's leases; immutable
+	expiry atomic.Int64 // nanoseconds after base when Valid turns false
+}
+
+// Valid reports whether this replica still holds the lease by its own clock: it turns false once
+// the send time of the last successful renewal (or of the claim) + LeaseTTL − Margin has passed,
+// and at once when a renewal is refused or the lease has been handed over. It reads the
+// monotonic clock, so a process that was stopped (SIGSTOP) sees false as soon as it runs again.
+// It is cheap and safe for concurrent use.
+func (l *Lease) Valid() bool {
+	return time.Since(l.base) < time.Duration(l.expiry.Load())
+}
+
+// remaining returns how long the lease stays valid, ≤ 0 when it is not.
+func (l *Lease) remaining() time.Duration {
+	return time.Duration(l.expiry.Load()) - time.Since(l.base)
+}
+
+// extend moves the expiry to sent + d unless it is already later. Only the holder calls it.
+func (l *Lease) extend(sent time.Time, d time.Duration) {
+	at := int64(sent.Sub(l.base) + d)
+	if at > l.expiry.Load() {
+		l.expiry.Store(at)
+	}
+}
+
+// revoke makes Valid false from now on.
+func (l *Lease) revoke() { l.expiry.Store(0) }
+
+// exitKind says how a holder ended.
+type exitKind int
+
+const (
+	exitReleased  exitKind = iota // handed over on request; lease deleted
+	exitFailed                    // Work returned on its own; lease deleted
+	exitLost                      // lease lost; Work has returned
+	exitAbandoned                 // Work did not return within ReleaseTimeout; lease left to expire
+)
+
+// exit is what a holder reports to the Elector's loop when it ends.
+type exit struct {
+	p    int
+	kind exitKind
+}
+
+// holder runs one owned partition: it starts Work, renews the lease, fences itself when the lease
+// clock runs out, and hands the partition over on request. All fields but release are owned by
+// the holder's goroutine once it runs.
+type holder struct {
+	e       *Elector
+	lease   *Lease
+	key     string
+	subject string
+	rev     uint64        // latest revision of the lease key, for compare-and-set
+	release chan struct{} // closed by the Elector's loop to ask for a handover
+	// releasing is set by the Elector's loop when it closes release; only the loop uses it.
+	releasing bool
+	// keepUntil, set for partitions claimed past Grace against their rank, delays handing them
+	// back to the member they rank first for; only the Elector's loop uses it.
+	keepUntil time.Time
+}
+
+// run owns the partition until the lease is released, lost or abandoned, and reports how it
+// ended. It returns only after Work has returned, or after ReleaseTimeout once asked to stop.
+func (h *holder) run(parent context.Context) exit {
+	e, l := h.e, h.lease
+	log := e.log.With().Int("partition", l.Partition).Uint64("epoch", l.Epoch).Logger()
+
+	// Work's context keeps parent's values but not its cancellation: only the lease ends it.
+	wctx, cancel := context.WithCancelCause(context.WithoutCancel(parent))
+	defer cancel(ErrReleased)
+	workDone := make(chan error, 1)
+	go func() { workDone <- e.work(wctx, l) }()
+
+	renew := time.NewTicker(e.cfg.RenewInterval)
+	defer renew.Stop()
+	expiry := time.NewTimer(l.remaining())
+	defer expiry.Stop()
+	renewC, expiryC := renew.C, expiry.C
+	releaseC, stoppingC := h.release, e.stopping
+	var deadline <-chan time.Time
+	var lost, releasing bool
+
+	lose := func(reason string, err error) {
+		lost = true
+		l.revoke()
+		cancel(ErrLeaseLost)
+		renewC, expiryC = nil, nil
+		log.Warn().Err(err).Str("reason", reason).Str("old_owner", e.cfg.ReplicaID).Msg("partition lease lost")
+	}
+	startRelease := func() {
+		if !lost && !releasing {
+			releasing = true
+			cancel(ErrReleased)
+		}
+		if deadline == nil {
+			deadline = time.After(e.cfg.ReleaseTimeout)
+		}
+	}
+
+	for {
+		select {
+		case <-renewC:
+			switch err := h.renew(); {
+			case err == nil:
+			case isCASConflict(err):
+				lose("renewal refused", err)
+				continue
+			default:
+				log.Debug().Err(err).Msg("lease renewal failed")
+			}
+			if !l.Valid() {
+				lose("lease clock ran out", nil)
+				continue
+			}
+			expiry.Reset(l.remaining())
+		case <-expiryC:
+			if !l.Valid() {
+				lose("lease clock ran out", nil)
+				continue
+			}
+			expiry.Reset(l.remaining())
+		case <-releaseC:
+			releaseC = nil
+			if !lost {
+				startRelease()
+			}
+		case <-stoppingC:
+			stoppingC = nil
+			startRelease()
+		case err := <-workDone:
+			switch {
+			case lost:
+				return exit{p: l.Partition, kind: exitLost}
+			case releasing:
+				if err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, ErrReleased) {
+					log.Debug().Err(err).Msg("work returned an error on release")
+				}
+				h.delete()
+				return exit{p: l.Partition, kind: exitReleased}
+			default:
+				cancel(ErrReleased)
+				log.Error().Err(err).Msg("work returned while owning the partition")
+				h.delete()
+				return exit{p: l.Partition, kind: exitFailed}
+			}
+		case <-deadline:
+			l.revoke()
+			cancel(ErrReleased)
+			log.Error().Dur("release_timeout", e.cfg.ReleaseTimeout).
+				Msg("work did not return in time; abandoning it and leaving the lease to expire")
+			return exit{p: l.Partition, kind: exitAbandoned}
+		}
+	}
+}
+
+// renew extends the lease key's TTL with a compare-and-set on its latest revision. kv.Update
+// and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself.
+func (h *holder) renew() error {
+	e, l := h.e, h.lease
+	timeout := l.remaining()
+	if timeout <= 0 {
+		return nil // the caller sees !Valid and fences
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	msg := nats.NewMsg(h.subject)
+	msg.Data = []byte(e.cfg.ReplicaID)
+	sent := time.Now()
+	ack, err := e.js.PublishMsg(ctx, msg,
+		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
+		jetstream.WithExpectLastSequencePerSubject(h.rev))
+	if err != nil {
+		return err
+	}
+	h.rev = ack.Sequence
+	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
+	e.log.Debug().Int("partition", l.Partition).Uint64("revision", ack.Sequence).Msg("lease renewed")
+	return nil
+}
+
+// delete removes the lease key if it is still at the revision this holder last wrote, then
+// makes the lease invalid.
+func (h *holder) delete() {
+	e := h.e
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
+	defer cancel()
+	err := e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	h.lease.revoke()
+	if err != nil {
+		e.log.Warn().Err(err).Int("partition", h.lease.Partition).Msg("deleting released lease failed; it will expire")
+		return
+	}
+	e.log.Info().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
+		Str("old_owner", e.cfg.ReplicaID).Str("new_owner", "").Msg("partition released")
+}
+
+// leaseKey returns the KV key of partition p's lease.
+func leaseKey(p int) string { return "lease." + strconv.Itoa(p) }

@@ -1,0 +1,187 @@
+package election
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// slot is one partition's lease as the watch last showed it.
+type slot struct {
+	owner     string    // "" when unowned
+	epoch     uint64    // revision of the claim by owner
+	freeSince time.Time // when it was last seen unowned (monotonic); meaningful when owner == ""
+	seen      time.Time // when the watch last showed the key (owners renew it every RenewInterval)
+	lastOwner string    // the owner before it became unowned
+}
+
+// view is the bucket's members and leases as the watch shows them. The watch goroutine writes
+// it; the Elector's loop reads copies.
+type view struct {
+	mu      sync.Mutex
+	ready   bool // the watch has delivered its initial values
+	members map[string]struct{}
+	slots   []slot
+}
+
+// reset forgets what a new watch replays from scratch. A partition stays free since when it
+// was first seen free, so that a replay does not restart its Grace.
+func (v *view) reset(partitions int, now time.Time) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.ready = false
+	v.members = make(map[string]struct{})
+	old := v.slots
+	v.slots = make([]slot, partitions)
+	for i := range v.slots {
+		s := slot{freeSince: now, seen: now}
+		if i < len(old) {
+			s.lastOwner = old[i].lastOwner
+			if old[i].owner == "" {
+				s.freeSince = old[i].freeSince
+			} else {
+				s.lastOwner = old[i].owner
+			}
+		}
+		v.slots[i] = s
+	}
+}
+
+// snapshot returns a copy of the view: whether it is ready, the sorted live members and the
+// lease slots.
+func (v *view) snapshot() (bool, map[string]struct{}, []slot) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	members := make(map[string]struct{}, len(v.members))
+	for m := range v.members {
+		members[m] = struct{}{}
+	}
+	return v.ready, members, append([]slot(nil), v.slots...)
+}
+
+// watch keeps the view current until ctx is done, re-creating the watch when it ends (the
+// connection was closed) or when the loop asks for a resync.
+func (e *Elector) watch(ctx context.Context) {
+	for ctx.Err() == nil {
+		if e.watchOnce(ctx) {
+			continue
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(e.cfg.RenewInterval):
+		}
+	}
+}
+
+// watchOnce runs one KV watch until its Updates channel closes or a resync is asked for, in
+// which case it reports true.
+func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
+	// The watch's subscription outlives a closed connection until its context ends, so each
+	// attempt gets its own.
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	w, err := e.kv.WatchFiltered(wctx, []string{"lease.>", "member.>"})
+	if err != nil {
+		e.log.Warn().Err(err).Msg("watching the control bucket failed; retrying")
+		return false
+	}
+	e.view.reset(e.cfg.Partitions, time.Now())
+	for {
+		select {
+		case ent, ok := <-w.Updates():
+			if !ok {
+				if ctx.Err() == nil {
+					e.log.Warn().Msg("control bucket watch ended; restarting it")
+				}
+				return false
+			}
+			if ent == nil {
+				e.view.mu.Lock()
+				e.view.ready = true
+				e.view.mu.Unlock()
+				e.kickLoop()
+				continue
+			}
+			e.apply(ent)
+		case <-e.resync:
+			e.log.Debug().Msg("resynchronising the control bucket watch")
+			_ = w.Stop()
+			// The subscription's callback may be blocked sending to Updates; drain until
+			// its close handler closes the channel so that its goroutine can exit.
+			for range w.Updates() {
+			}
+			return true
+		}
+	}
+}
+
+// apply folds one watch entry into the view, wakes the loop when ownership or membership changed
+// and reports ownership changes.
+func (e *Elector) apply(ent jetstream.KeyValueEntry) {
+	key := ent.Key()
+	gone := ent.Operation() != jetstream.KeyValuePut
+	now := time.Now()
+	if id, ok := strings.CutPrefix(key, "member."); ok {
+		e.view.mu.Lock()
+		_, had := e.view.members[id]
+		if gone {
+			delete(e.view.members, id)
+		} else {
+			e.view.members[id] = struct{}{}
+		}
+		e.view.mu.Unlock()
+		if had == gone {
+			e.log.Debug().Str("member", id).Bool("joined", !gone).Msg("membership changed")
+			e.kickLoop()
+		}
+		return
+	}
+	ps, ok := strings.CutPrefix(key, "lease.")
+	if !ok {
+		return
+	}
+	p, err := strconv.Atoi(ps)
+	if err != nil || p < 0 || p >= e.cfg.Partitions {
+		return
+	}
+	owner := ""
+	if !gone {
+		owner = string(ent.Value())
+	}
+	e.view.mu.Lock()
+	ready := e.view.ready
+	s := &e.view.slots[p]
+	old := *s
+	var ch Change
+	changed := old.owner != owner
+	switch {
+	case !changed:
+		s.seen = now
+	case owner == "":
+		*s = slot{freeSince: now, seen: now, lastOwner: old.owner}
+		ch = Change{Partition: p, OldOwner: old.owner, At: now}
+	default:
+		prev := old.owner
+		var unowned time.Duration
+		if prev == "" {
+			prev, unowned = old.lastOwner, now.Sub(old.freeSince)
+		}
+		*s = slot{owner: owner, epoch: ent.Revision(), seen: now}
+		ch = Change{Partition: p, OldOwner: prev, NewOwner: owner, Epoch: ent.Revision(), Unowned: unowned, At: now}
+	}
+	e.view.mu.Unlock()
+	if !changed {
+		return
+	}
+	e.log.Debug().Int("partition", p).Str("old_owner", ch.OldOwner).Str("new_owner", ch.NewOwner).
+		Uint64("epoch", ch.Epoch).Dur("unowned", ch.Unowned).Msg("ownership change observed")
+	// The initial replay shows the state, not changes.
+	if e.cfg.OnChange != nil && ready {
+		e.cfg.OnChange(ch)
+	}
+	e.kickLoop()
+}
