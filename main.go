@@ -36,7 +36,13 @@ func usagef(format string, a ...any) error { return usageError{fmt.Errorf(format
 // command failed, 2 for a bad flag or flag value.
 func realMain(args []string, stdout, stderr io.Writer) int {
 	app := newApp(stdout, stderr)
+	var unknown string
+	app.CommandNotFound = func(_ *cli.Context, name string) { unknown = name }
 	err := app.Run(args)
+	if unknown != "" {
+		fmt.Fprintf(stderr, "kvmapper: no command %q (see kvmapper --help)\n", unknown)
+		return 2
+	}
 	if err == nil {
 		return 0
 	}
@@ -44,7 +50,9 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	var ee cli.ExitCoder
 	switch {
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "kvmapper: %v (see kvmapper %s --help)\n", ue.err, commandName(args))
+		// The flag package names flags with one dash; kvmapper's help shows two.
+		msg := strings.NewReplacer("flag -", "flag --", "defined: -", "defined: --").Replace(ue.err.Error())
+		fmt.Fprintf(stderr, "kvmapper: %s (see kvmapper %s --help)\n", msg, commandName(args))
 		return 2
 	case errors.As(err, &ee):
 		if msg := ee.Error(); msg != "" {
@@ -82,9 +90,6 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 		Commands: []*cli.Command{
 			runCommand(),
 			setupCommand(),
-		},
-		CommandNotFound: func(c *cli.Context, name string) {
-			fmt.Fprintf(stderr, "kvmapper: no command %q (see kvmapper --help)\n", name)
 		},
 	}
 	for _, c := range app.Commands {

@@ -272,7 +272,7 @@ func runAction(c *cli.Context) error {
 	err = g.Wait()
 	st := pool.Stats()
 	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
-		Uint64("retries", st.Retries).Msg("stopped")
+		Uint64("retries", st.Retries).Msg("replica stopped")
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
 	}

@@ -1,0 +1,309 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+)
+
+func TestSetupIsIdempotentAndRefusesAMismatch(t *testing.T) {
+	srv := natstest.Start(t)
+	out, errOut, code := runCLI(t, "setup", "--server", srv.URL())
+	if code != 0 {
+		t.Fatalf("first setup: exit %d: %s", code, errOut)
+	}
+	for _, want := range []string{"created stream INCOMING", "created stream OUTGOING", "created stream UNMAPPED",
+		"created bucket device-groups", "created bucket kvmapper"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("first setup output lacks %q:\n%s", want, out)
+		}
+	}
+	out, errOut, code = runCLI(t, "setup", "--server", srv.URL())
+	if code != 0 {
+		t.Fatalf("second setup: exit %d: %s", code, errOut)
+	}
+	if strings.Contains(out, "created") || strings.Count(out, " ok") != 5 {
+		t.Errorf("second setup should find all five ok and create nothing:\n%s", out)
+	}
+	_, errOut, code = runCLI(t, "setup", "--server", srv.URL(), "--partitions", "8")
+	if code != 1 {
+		t.Fatalf("setup --partitions 8 on a 16-partition INCOMING: exit %d, want 1", code)
+	}
+	for _, want := range []string{"16 partitions", "--partitions 16"} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("mismatch error %q does not say %q", errOut, want)
+		}
+	}
+	// run refuses the same way, before it maps anything.
+	_, errOut, code = runCLI(t, "run", "--server", srv.URL(), "--partitions", "8", "--log-format", "json")
+	if code != 1 || !strings.Contains(errOut, "--partitions 16") {
+		t.Errorf("run --partitions 8: exit %d, stderr %q; want exit 1 naming the fix", code, errOut)
+	}
+}
+
+func TestMoveADeviceWithTheNatsCLIWhileMessagesFlow(t *testing.T) {
+	e := newEnv(t)
+	e.put("dev-42", "group-a")
+	e.put("dev-7", "group-c")
+	e.startMapper("m1")
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	published := map[string]int{}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; i < 200_000; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for _, d := range []string{"dev-42", "dev-7"} {
+				if _, err := e.js.Publish(context.Background(), "incoming."+d+".evt", []byte(d+":"+strconv.Itoa(i))); err != nil {
+					t.Errorf("publish: %v", err)
+					return
+				}
+				published[d]++
+			}
+		}
+	}()
+	waitCount(t, e, "outgoing.group-a.dev-42.>", 200)
+
+	cli := exec.Command("go", "tool", "nats", "--server", e.srv.URL(), "kv", "put", "device-groups", "dev-42", "group-b")
+	if out, err := cli.CombinedOutput(); err != nil {
+		close(stop)
+		wg.Wait()
+		t.Fatalf("go tool nats kv put: %v\n%s", err, out)
+	}
+	waitCount(t, e, "outgoing.group-b.dev-42.>", 200)
+	close(stop)
+	wg.Wait()
+
+	msgs := e.readStream("OUTGOING", published["dev-42"]+published["dev-7"], 60*time.Second)
+	subjects := perDevice(t, msgs, published)
+	// dev-42: one prefix under group-a, one suffix under group-b, never interleaved (I4).
+	switched := -1
+	for i, s := range subjects["dev-42"] {
+		want := "outgoing.group-a.dev-42.evt"
+		if switched >= 0 {
+			want = "outgoing.group-b.dev-42.evt"
+		} else if s == "outgoing.group-b.dev-42.evt" {
+			switched, want = i, s
+		}
+		if s != want {
+			t.Fatalf("dev-42 message %d went to %s after the switch at %d", i, s, switched)
+		}
+	}
+	if switched < 200 {
+		t.Fatalf("dev-42 switched at message %d, want after the first 200 under group-a", switched)
+	}
+	for i, s := range subjects["dev-7"] {
+		if s != "outgoing.group-c.dev-7.evt" {
+			t.Fatalf("dev-7 message %d went to %s", i, s)
+		}
+	}
+	t.Logf("dev-42: %d messages under group-a, then %d under group-b", switched, len(subjects["dev-42"])-switched)
+}
+
+// waitCount waits until OUTGOING holds at least n messages on subjects matching filter.
+func waitCount(t *testing.T, e *env, filter string, n int) {
+	t.Helper()
+	natstest.Eventually(t, 60*time.Second, func() error {
+		s, err := e.js.Stream(context.Background(), "OUTGOING")
+		if err != nil {
+			return err
+		}
+		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(filter))
+		if err != nil {
+			return err
+		}
+		var got uint64
+		for _, c := range info.State.Subjects {
+			got += c
+		}
+		if got < uint64(n) {
+			return fmt.Errorf("%s: %d messages, want %d", filter, got, n)
+		}
+		return nil
+	})
+}
+
+func TestDeletedKeyAndInvalidValuesGoToUnmapped(t *testing.T) {
+	e := newEnv(t)
+	bad := map[string]string{"dot": "a.b", "star": "*", "gt": ">", "empty": "", "long": strings.Repeat("g", 300)}
+	for d, v := range bad {
+		e.put(d, v)
+	}
+	e.put("gone", "group-a")
+	e.put("fine", "group-a")
+	m := e.startMapper("m1")
+	if err := e.groups.Delete(context.Background(), "gone"); err != nil {
+		t.Fatal(err)
+	}
+	ld := newLoad(t, e.js)
+	devs := []string{"dot", "star", "gt", "empty", "long", "fine"}
+	ld.publish(devs, 5)
+	unmapped := e.readStream("UNMAPPED", 25, 30*time.Second)
+	want := map[string]int{}
+	for d := range bad {
+		want[d] = 5
+	}
+	perDevice(t, unmapped[:25], want)
+	for _, msg := range unmapped {
+		if r := msg.Headers().Get("KVMapper-Reason"); r != "invalid-group" {
+			t.Errorf("%s: reason %q, want invalid-group", msg.Subject(), r)
+		}
+	}
+	perDevice(t, e.readStream("OUTGOING", 5, 30*time.Second), map[string]int{"fine": 5})
+
+	// The deleted key: the mapper applies the delete asynchronously, so publish until a message
+	// of "gone" is dead-lettered with no-mapping.
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if _, err := e.js.Publish(context.Background(), "incoming.gone.evt", []byte("probe")); err != nil {
+			return err
+		}
+		for _, msg := range e.readStream("UNMAPPED", 25, time.Second) {
+			if msg.Subject() == "unmapped.gone.evt" && msg.Headers().Get("KVMapper-Reason") == "no-mapping" {
+				return nil
+			}
+		}
+		return fmt.Errorf("no message of the deleted device in UNMAPPED yet")
+	})
+	// The service kept running: still mapping, and it logged the bad values.
+	ld.publish([]string{"fine"}, 1)
+	perDevice(t, e.readStream("OUTGOING", 6, 30*time.Second)[:6], map[string]int{"fine": 6})
+	m.waitLog("invalid", 5*time.Second)
+}
+
+func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
+	e := newEnv(t)
+	devs := deviceNames("dev-", 100)
+	for _, d := range devs {
+		e.put(d, "g")
+	}
+	ld := newLoad(t, e.js)
+	ld.publish(devs, 100)
+	m1 := e.startMapper("m1")
+	waitAtLeast(t, e, "OUTGOING", 2000)
+	m1.stop() // mid-stream: SIGTERM drains and checkpoints
+	_, dup1 := m1.stoppedStats()
+	ld.publish(devs, 50)
+	m2 := e.startMapper("m2")
+	want := map[string]int{}
+	for _, d := range devs {
+		want[d] = 150
+	}
+	perDevice(t, e.readStream("OUTGOING", 15_000, 60*time.Second), want)
+	m2.stop()
+	mapped2, dup2 := m2.stoppedStats()
+	if dup1+dup2 != 0 {
+		t.Errorf("publishes acknowledged as duplicates: %v then %v, want 0 (the checkpoint covers what was sent)", dup1, dup2)
+	}
+	if mapped2 >= 15_000 {
+		t.Errorf("the second mapper mapped %v, want fewer than 15000: it must resume, not restart", mapped2)
+	}
+}
+
+func TestServerRestartMidStream(t *testing.T) {
+	e := newEnv(t)
+	devs := deviceNames("dev-", 100)
+	for _, d := range devs {
+		e.put(d, "g")
+	}
+	ld := newLoad(t, e.js)
+	ld.publish(devs, 150)
+	m := e.startMapper("m1")
+	waitAtLeast(t, e, "OUTGOING", 1000)
+	e.srv = e.srv.Restart()
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if !e.nc.IsConnected() {
+			return fmt.Errorf("test client not reconnected")
+		}
+		return nil
+	})
+	m.waitLog("reconnected to NATS", 30*time.Second)
+	ld.publish(devs, 50)
+	want := map[string]int{}
+	for _, d := range devs {
+		want[d] = 200
+	}
+	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
+	m.stop()
+}
+
+func TestQuickStartEmbedded(t *testing.T) {
+	dir := t.TempDir()
+	port := freePort(t)
+	url := "nats://127.0.0.1:" + strconv.Itoa(port)
+	m := startProcess(t, "embedded", "run", "--embedded", "--listen", "127.0.0.1:"+strconv.Itoa(port), "--data-dir", dir, "--log-format", "json")
+	natstest.Eventually(t, 30*time.Second, func() error {
+		if !strings.Contains(m.logs.String(), "go tool nats -s "+url+" kv put device-groups dev-42 group-a") {
+			return fmt.Errorf("next steps not printed yet")
+		}
+		return nil
+	})
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	kv, err := js.KeyValue(context.Background(), "device-groups")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.PutString(context.Background(), "dev-42", "group-a"); err != nil {
+		t.Fatal(err)
+	}
+	sub, err := nc.SubscribeSync("outgoing.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The table applies the put asynchronously: publish until one arrives mapped.
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if err := nc.Publish("incoming.dev-42.temp", []byte(`{"celsius": 21.5}`)); err != nil {
+			return err
+		}
+		msg, err := sub.NextMsg(200 * time.Millisecond)
+		if err != nil {
+			return err
+		}
+		if msg.Subject != "outgoing.group-a.dev-42.temp" || string(msg.Data) != `{"celsius": 21.5}` {
+			return fmt.Errorf("got %s %q", msg.Subject, msg.Data)
+		}
+		return nil
+	})
+	m.stop()
+}
+
+func waitAtLeast(t *testing.T, e *env, stream string, n int) {
+	t.Helper()
+	natstest.Eventually(t, 60*time.Second, func() error {
+		if got := e.count(stream); got < n {
+			return fmt.Errorf("%s holds %d, want %d", stream, got, n)
+		}
+		return nil
+	})
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
