@@ -16,14 +16,6 @@ import (
 
 func env(name string) []string { return []string{"KVMAPPER_" + name} }
 
-// connFlags say how to reach NATS; every command has them.
-func connFlags() []cli.Flag {
-	return []cli.Flag{
-		&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Value: "nats://127.0.0.1:4222",
-			Usage: "NATS server URL, or several separated by commas", EnvVars: []string{"KVMAPPER_SERVER", "NATS_URL"}},
-	}
-}
-
 // layoutFlags name the subjects, streams and buckets; every command has them.
 func layoutFlags() []cli.Flag {
 	return []cli.Flag{

@@ -90,6 +90,7 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 		Commands: []*cli.Command{
 			runCommand(),
 			setupCommand(),
+			verifyCommand(),
 		},
 	}
 	for _, c := range app.Commands {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -15,14 +14,10 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmapper/kvmapper/election"
-	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 )
@@ -91,39 +86,6 @@ func setupCommand() *cli.Command {
 			return err
 		},
 	}
-}
-
-// connect dials NATS for a kvmapper process. Publishing is not buffered while reconnecting
-// (ReconnectBufSize -1): nothing sent then could overtake a message that failed, which is what
-// keeps per-device order across reconnects (see package lanes).
-func connect(servers, name string, log zerolog.Logger) (*nats.Conn, error) {
-	opts := []nats.Option{
-		nats.Name(name),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(250 * time.Millisecond),
-		nats.ReconnectBufSize(-1),
-		nats.RetryOnFailedConnect(false),
-		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			if err != nil {
-				log.Warn().Err(err).Msg("disconnected from NATS; reconnecting")
-			}
-		}),
-		nats.ReconnectHandler(func(nc *nats.Conn) {
-			log.Info().Str("server", nc.ConnectedUrlRedacted()).Msg("reconnected to NATS")
-		}),
-		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-			ev := log.Error().Err(err)
-			if sub != nil {
-				ev = ev.Str("subject", sub.Subject)
-			}
-			ev.Msg("NATS error")
-		}),
-	}
-	nc, err := nats.Connect(servers, opts...)
-	if err != nil {
-		return nil, fmt.Errorf("connecting to NATS at %s: %w (is a server running? try kvmapper run --embedded)", servers, err)
-	}
-	return nc, nil
 }
 
 func defaultReplicaID() string {
@@ -198,85 +160,40 @@ func runAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	sctx, scancel := context.WithTimeout(ctx, 30*time.Second)
-	lines, err := setup.Ensure(sctx, js, scfg)
-	scancel()
-	for _, l := range lines {
-		log.Debug().Msg(l)
-	}
+	r, err := newReplica(ctx, js, replicaConfig{
+		ID:    id,
+		Setup: scfg,
+		Lanes: lanes.Config{
+			Layout:             lay,
+			Incoming:           scfg.Incoming,
+			MaxInFlight:        c.Int("max-in-flight"),
+			CheckpointInterval: c.Duration("checkpoint-interval"),
+			PublishTimeout:     c.Duration("publish-timeout"),
+			DrainTimeout:       c.Duration("drain-timeout"),
+			NoProvenance:       c.Bool("no-provenance"),
+		},
+		Election: election.Config{
+			LeaseTTL:      c.Duration("lease-ttl"),
+			RenewInterval: c.Duration("renew-interval"),
+			Grace:         c.Duration("grace"),
+		},
+		Logger: log,
+	})
 	if err != nil {
 		return err
 	}
-	groupsKV, err := js.KeyValue(ctx, scfg.Groups)
-	if err != nil {
-		return fmt.Errorf("opening bucket %s: %w", scfg.Groups, err)
-	}
-	control, err := js.KeyValue(ctx, scfg.Control)
-	if err != nil {
-		return fmt.Errorf("opening bucket %s: %w", scfg.Control, err)
-	}
-
-	table, err := kv.New(groupsKV, kv.Config{Logger: log.With().Str("component", "kv").Logger()})
-	if err != nil {
-		return err
-	}
-	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
-		e, ok := table.Lookup(device)
-		if !ok {
-			return "", 0, lanes.ReasonNoMapping
+	err = r.Run(ctx, func() {
+		log.Info().Int("devices", r.table.Len()).Int("partitions", lay.Partitions).
+			Str("from", lay.In.String()).Str("to", lay.Out.String()).Str("unmapped", lay.Unmapped.String()).
+			Msg("groups table loaded; mapping")
+		if c.Bool("embedded") {
+			printNextSteps(c, servers, scfg)
 		}
-		return e.Group, e.Revision, e.Reason
-	}, lanes.Config{
-		Layout:             lay,
-		Incoming:           scfg.Incoming,
-		MaxInFlight:        c.Int("max-in-flight"),
-		CheckpointInterval: c.Duration("checkpoint-interval"),
-		PublishTimeout:     c.Duration("publish-timeout"),
-		DrainTimeout:       c.Duration("drain-timeout"),
-		NoProvenance:       c.Bool("no-provenance"),
-		Logger:             log.With().Str("component", "lanes").Logger(),
 	})
-	if err != nil {
-		return asUsage(err, lanes.ErrInvalidConfig)
-	}
-	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
-		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
-	}, election.Config{
-		ReplicaID:     id,
-		Partitions:    lay.Partitions,
-		LeaseTTL:      c.Duration("lease-ttl"),
-		RenewInterval: c.Duration("renew-interval"),
-		Grace:         c.Duration("grace"),
-		// A releasing lane may wait DrainTimeout for acknowledgements and then write a checkpoint.
-		ReleaseTimeout: c.Duration("drain-timeout") + 10*time.Second,
-		Logger:         log.With().Str("component", "election").Logger(),
-	})
-	if err != nil {
-		return asUsage(err, election.ErrInvalidConfig)
-	}
-
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return table.Run(gctx) })
-	select {
-	case <-table.Ready():
-	case <-gctx.Done():
-		return g.Wait()
-	}
-	log.Info().Int("devices", table.Len()).Int("partitions", lay.Partitions).
-		Str("from", lay.In.String()).Str("to", lay.Out.String()).Str("unmapped", lay.Unmapped.String()).
-		Msg("groups table loaded; mapping")
-	if c.Bool("embedded") {
-		printNextSteps(c, servers, scfg)
-	}
-	g.Go(func() error { return elector.Run(gctx) })
-	err = g.Wait()
-	st := pool.Stats()
+	st := r.pool.Stats()
 	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
 		Uint64("retries", st.Retries).Msg("replica stopped")
-	if err != nil && !errors.Is(err, context.Canceled) {
-		return err
-	}
-	return nil
+	return err
 }
 
 func startEmbedded(listen, dir string) (*server.Server, string, error) {
@@ -322,13 +239,4 @@ kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:
 (any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
 
 `, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject())
-}
-
-// asUsage makes err a usage error (exit code 2) when it wraps sentinel: a configuration built
-// from flags that the component refused.
-func asUsage(err, sentinel error) error {
-	if errors.Is(err, sentinel) {
-		return usageError{err}
-	}
-	return err
 }

@@ -80,6 +80,7 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	switch {
 	case err == nil:
 		l.cpRev, l.checkpointed = rev, l.acked
+		l.stats.checkpoint.Store(l.acked)
 		return nil
 	case isConflict(err):
 		return fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)

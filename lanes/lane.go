@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -32,6 +33,12 @@ type entry struct {
 
 func (e *entry) settled() bool { return e.ack != nil || e.err != nil }
 
+// laneStats are what a lane shows of itself to other goroutines.
+type laneStats struct {
+	acked, checkpoint, pending atomic.Uint64
+	inFlight                   atomic.Int64
+}
+
 // delivery is a consumed message with its stream sequence, handed from reader to lane.
 type delivery struct {
 	msg jetstream.Msg
@@ -55,6 +62,8 @@ type lane struct {
 	q       []*entry // in flight, in stream order
 	failed  bool     // some entry failed: resend before sending anything new
 	backoff time.Duration
+
+	stats laneStats // read by Pool.Partitions from other goroutines
 
 	fields   subjects.Fields
 	buf      []byte
@@ -88,6 +97,10 @@ func (l *lane) run(ctx context.Context) error {
 		return err
 	}
 	l.acked, l.checkpointed = start, start
+	l.stats.acked.Store(start)
+	l.stats.checkpoint.Store(start)
+	l.p.register(l)
+	defer l.p.unregister(l)
 	l.log.Debug().Uint64("from", start+1).Msg("lane started")
 
 	readCtx, stopReading := context.WithCancel(ctx)
@@ -165,6 +178,7 @@ func (l *lane) run(ctx context.Context) error {
 func (l *lane) push(e *entry) {
 	l.send(e)
 	l.q = append(l.q, e)
+	l.stats.inFlight.Store(int64(len(l.q)))
 }
 
 // send publishes e asynchronously. A failure to even send marks e failed.
@@ -192,6 +206,8 @@ func (l *lane) popSettled() {
 		l.q = l.q[1:]
 		<-l.p.sem
 		l.acked = e.seq
+		l.stats.acked.Store(e.seq)
+		l.stats.inFlight.Store(int64(len(l.q)))
 		switch {
 		case e.ack.Duplicate:
 			l.p.duplicates.Add(1)
@@ -308,6 +324,7 @@ func (l *lane) stop(why error) error {
 	}
 	left := len(l.q)
 	l.q = nil
+	l.stats.inFlight.Store(0)
 	cctx, ccancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer ccancel()
 	if err := l.checkpoint(cctx); err != nil && why == nil {

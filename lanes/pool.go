@@ -3,6 +3,7 @@ package lanes
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -127,6 +128,9 @@ type Pool struct {
 	unmappedMu                            sync.Mutex
 	unmapped                              map[string]uint64
 
+	lanesMu sync.Mutex
+	lanes   map[*lane]struct{}
+
 	warnMu   sync.Mutex
 	warnLast map[string]time.Time
 	warnSkip map[string]int
@@ -171,6 +175,7 @@ func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg 
 		log:      cfg.Logger,
 		sem:      make(chan struct{}, cfg.MaxInFlight),
 		unmapped: make(map[string]uint64),
+		lanes:    make(map[*lane]struct{}),
 		warnLast: make(map[string]time.Time),
 		warnSkip: make(map[string]int),
 	}, nil
@@ -188,6 +193,53 @@ func (p *Pool) Run(ctx context.Context, a Assignment) error {
 	l := newLane(p, a)
 	return l.run(ctx)
 }
+
+// PartitionStats describe one running lane.
+type PartitionStats struct {
+	Partition  int
+	Epoch      uint64
+	Acked      uint64 // last INCOMING sequence of the contiguous acknowledged prefix
+	Checkpoint uint64 // last sequence written to checkpoint.<p>
+	Pending    uint64 // messages of the partition in INCOMING not yet delivered to the lane
+	InFlight   int    // publishes awaiting acknowledgement
+}
+
+// Lag is how many messages of the partition are not yet acknowledged by OUTGOING or UNMAPPED.
+func (s PartitionStats) Lag() uint64 { return s.Pending + uint64(s.InFlight) }
+
+// Partitions returns the stats of every lane running now, by partition.
+func (p *Pool) Partitions() []PartitionStats {
+	p.lanesMu.Lock()
+	out := make([]PartitionStats, 0, len(p.lanes))
+	for l := range p.lanes {
+		out = append(out, PartitionStats{
+			Partition:  l.a.Partition,
+			Epoch:      l.a.Epoch,
+			Acked:      l.stats.acked.Load(),
+			Checkpoint: l.stats.checkpoint.Load(),
+			Pending:    l.stats.pending.Load(),
+			InFlight:   int(l.stats.inFlight.Load()),
+		})
+	}
+	p.lanesMu.Unlock()
+	slices.SortFunc(out, func(a, b PartitionStats) int { return a.Partition - b.Partition })
+	return out
+}
+
+func (p *Pool) register(l *lane) {
+	p.lanesMu.Lock()
+	p.lanes[l] = struct{}{}
+	p.lanesMu.Unlock()
+}
+
+func (p *Pool) unregister(l *lane) {
+	p.lanesMu.Lock()
+	delete(p.lanes, l)
+	p.lanesMu.Unlock()
+}
+
+// DrainTimeout returns how long a stopping lane may wait for its in-flight publishes.
+func (p *Pool) DrainTimeout() time.Duration { return p.cfg.DrainTimeout }
 
 // Stats returns the pool's counters.
 func (p *Pool) Stats() Stats {

@@ -61,41 +61,49 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 			}
 			return err
 		}
-		seq, ok := streamSeq(m.Reply())
+		seq, pending, ok := replyInfo(m.Reply())
 		if !ok {
 			return errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply()))
 		}
 		select {
 		case out <- delivery{msg: m, seq: seq}:
 			*next = seq + 1
+			l.stats.pending.Store(pending)
 		case <-ctx.Done():
 			return nil
 		}
 	}
 }
 
-// streamSeq reads the stream sequence from a JetStream reply subject without allocating:
-// "$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>", or with the domain
-// and account hash tokens after "$JS.ACK." in the newer form of 12 tokens or more.
-func streamSeq(reply string) (uint64, bool) {
+// replyInfo reads the stream sequence and the consumer's pending count from a JetStream reply
+// subject without allocating: "$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>",
+// or, in the newer form of 12 tokens, with domain and account hash after "$JS.ACK." and a random
+// token at the end.
+func replyInfo(reply string) (seq, pending uint64, ok bool) {
 	if !strings.HasPrefix(reply, "$JS.ACK.") {
-		return 0, false
+		return 0, 0, false
 	}
-	n := strings.Count(reply, ".") + 1
-	want := 5
-	switch {
+	var seqAt, pendingAt int
+	switch n := strings.Count(reply, ".") + 1; {
 	case n == 9:
+		seqAt, pendingAt = 5, 8
 	case n >= 11:
-		want = 7
+		seqAt, pendingAt = 7, 10
 	default:
-		return 0, false
+		return 0, 0, false
 	}
-	for i := 0; i < want; i++ {
-		reply = reply[strings.IndexByte(reply, '.')+1:]
+	var err1, err2 error
+	for i := 0; i <= pendingAt; i++ {
+		tok := reply
+		if j := strings.IndexByte(reply, '.'); j >= 0 {
+			tok, reply = reply[:j], reply[j+1:]
+		}
+		switch i {
+		case seqAt:
+			seq, err1 = strconv.ParseUint(tok, 10, 64)
+		case pendingAt:
+			pending, err2 = strconv.ParseUint(tok, 10, 64)
+		}
 	}
-	if j := strings.IndexByte(reply, '.'); j >= 0 {
-		reply = reply[:j]
-	}
-	seq, err := strconv.ParseUint(reply, 10, 64)
-	return seq, err == nil
+	return seq, pending, err1 == nil && err2 == nil
 }

@@ -1,0 +1,25 @@
+package lanes
+
+import "testing"
+
+func TestReplyInfo(t *testing.T) {
+	for _, tc := range []struct {
+		reply        string
+		seq, pending uint64
+		ok           bool
+	}{
+		{"$JS.ACK.INCOMING.cons.1.42.7.1700000000000000000.5", 42, 5, true},
+		{"$JS.ACK.hub.ACCHASH.INCOMING.cons.1.42.7.1700000000000000000.5.rand", 42, 5, true},
+		{"$JS.ACK.INCOMING.cons.1.x.7.1700000000000000000.5", 0, 5, false},
+		{"_INBOX.abc", 0, 0, false},
+		{"$JS.ACK.too.short", 0, 0, false},
+	} {
+		seq, pending, ok := replyInfo(tc.reply)
+		if ok != tc.ok || (ok && (seq != tc.seq || pending != tc.pending)) {
+			t.Errorf("replyInfo(%q) = %d, %d, %v; want %d, %d, %v", tc.reply, seq, pending, ok, tc.seq, tc.pending, tc.ok)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() { replyInfo("$JS.ACK.INCOMING.cons.1.42.7.1700000000000000000.5") }); n != 0 {
+		t.Errorf("replyInfo allocates %v times, want 0", n)
+	}
+}
