@@ -20,7 +20,8 @@ func connFlags() []cli.Flag {
 // connect dials NATS for a kvmapper process. Publishing is not buffered while reconnecting
 // (ReconnectBufSize -1): nothing sent then could overtake a message that failed, which is what
 // keeps per-device order across reconnects (see package lanes).
-func connect(servers, name string, log zerolog.Logger) (*nats.Conn, error) {
+// The flags of c add authentication and TLS; servers is the URL list to dial.
+func connect(_ *cli.Context, servers, name string, log zerolog.Logger) (*nats.Conn, error) {
 	opts := []nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),

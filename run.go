@@ -68,7 +68,7 @@ func setupCommand() *cli.Command {
 			if err != nil {
 				return err
 			}
-			nc, err := connect(c.String("server"), "kvmapper setup", log)
+			nc, err := connect(c, c.String("server"), "kvmapper setup", log)
 			if err != nil {
 				return err
 			}
@@ -151,7 +151,7 @@ func runAction(c *cli.Context) error {
 		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
-	nc, err := connect(servers, "kvmapper "+id, log)
+	nc, err := connect(c, servers, "kvmapper "+id, log)
 	if err != nil {
 		return err
 	}

@@ -27,8 +27,14 @@ type Config struct {
 	// Default 250ms.
 	Margin time.Duration
 	// Grace is how long a partition may stay unowned before any replica claims it regardless
-	// of rank (the replica it ranks first for may be slow or partitioned). Default LeaseTTL.
+	// of its quota (the replicas under quota may be slow, partitioned or failing to run it).
+	// Default LeaseTTL.
 	Grace time.Duration
+	// Settle is how long, at start, the member set must stay unchanged before this replica
+	// claims free partitions (at most 4×Settle, and no wait when every partition is owned), so
+	// that replicas started together claim their quotas at once instead of the first one
+	// claiming every partition and handing most back. Default RenewInterval.
+	Settle time.Duration
 	// MemberTTL is the per-key TTL of member.<id>; whole seconds, at least 1s. Default LeaseTTL.
 	MemberTTL time.Duration
 	// ReleaseTimeout bounds how long the Elector waits for a Work to return after cancelling it,
@@ -95,6 +101,12 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if cfg.Grace < 0 {
 		return bad("grace %v must not be negative", cfg.Grace)
+	}
+	if cfg.Settle == 0 {
+		cfg.Settle = cfg.RenewInterval
+	}
+	if cfg.Settle < 0 {
+		return bad("settle %v must not be negative", cfg.Settle)
 	}
 	if cfg.MemberTTL == 0 {
 		cfg.MemberTTL = cfg.LeaseTTL

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,9 +15,14 @@ import (
 	"github.com/rs/zerolog"
 )
 
-// graceHold is how many lease TTLs a partition claimed past Grace, against its rank, is kept
-// before it is handed back to the member it ranks first for.
+// graceHold is how many lease TTLs a partition claimed past Grace, beyond this replica's quota,
+// is kept before it may be handed back to a member under its quota.
 const graceHold = 5
+
+// inTransit stands in [Plan]'s owners for a partition the view still shows as this replica's
+// although it holds no lease for it any more (its lease was lost or its delete is not seen yet):
+// owned, but by no member. It cannot be a replica id.
+const inTransit = "?"
 
 // Work runs a partition while this replica owns it. ctx is done when the lease is lost
 // (context.Cause(ctx) is [ErrLeaseLost]) or is being released (Cause is [ErrReleased]) — on
@@ -54,6 +60,15 @@ type Elector struct {
 	holders  map[int]*holder
 	failures map[int]int       // consecutive Work failures per partition
 	cooldown map[int]time.Time // no claim before this time
+	settle   settle
+}
+
+// settle tracks the start-up wait for the member set to settle; owned by the loop goroutine.
+type settle struct {
+	done    bool
+	start   time.Time // when the view was first ready
+	members string    // the sorted member set last seen, joined
+	since   time.Time // when members last changed
 }
 
 // New returns an Elector for the replica cfg.ReplicaID. js must be the JetStream context the
@@ -99,7 +114,7 @@ func (e *Elector) Owned() []int {
 }
 
 // Run takes part in the election until ctx is done, then leaves gracefully: it deletes its
-// member key (so the others rank without it), cancels every Work with [ErrReleased], waits for
+// member key (so the others recompute their quotas without it), cancels every Work with [ErrReleased], waits for
 // each (up to ReleaseTimeout), deletes each lease with a revision check, and returns nil. It
 // returns an error if it cannot start (the bucket lacks per-key TTL support, or the member key
 // cannot be written). It returns only after every goroutine it started has exited, except a Work
@@ -129,8 +144,8 @@ func (e *Elector) Run(ctx context.Context) error {
 
 	e.loop(ctx, &wg)
 
-	// Leave the membership first, so that the others rank without this replica and claim each
-	// partition the moment its lease is deleted instead of after Grace.
+	// Leave the membership first, so that the others recompute their quotas without this
+	// replica and claim each partition the moment its lease is deleted instead of after Grace.
 	stopHeartbeat()
 	<-hbDone
 	e.leave()
@@ -202,10 +217,10 @@ func (e *Elector) kickLoop() {
 	}
 }
 
-// reconcile compares the view with the desired ownership: it asks holders of partitions that
-// rank another live member first to hand over, and claims free partitions that rank this
-// replica first or have been unowned longer than Grace. It returns when it next needs to run
-// (zero if only events matter).
+// reconcile compares the view with the desired ownership computed by [Plan]: it asks holders of
+// partitions beyond this replica's quota to hand over, claims free partitions up to the quota,
+// and claims any partition unowned longer than Grace. It returns when it next needs to run (zero
+// if only events matter).
 func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
 	ready, live, slots := e.view.snapshot()
 	if !ready {
@@ -217,6 +232,21 @@ func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
 	for m := range live {
 		members = append(members, m)
 	}
+	slices.Sort(members)
+	// The holders, not the watch, say what this replica owns: the watch lags behind claims,
+	// and counting a fresh claim as free would make Plan claim past the quota.
+	owners := make([]string, len(slots))
+	for p, s := range slots {
+		owners[p] = s.owner
+		if s.owner == me {
+			owners[p] = inTransit
+		}
+	}
+	for p := range e.holders {
+		owners[p] = me
+	}
+	claims, releases := Plan(me, members, owners)
+
 	now := time.Now()
 	var next time.Time
 	later := func(t time.Time) {
@@ -224,42 +254,108 @@ func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
 			next = t
 		}
 	}
-	for p, s := range slots {
-		want := Rank(p, members)
-		if h := e.holders[p]; h != nil {
-			// want is a live member: Rank picks from members, all seen alive by the watch. A
-			// partition claimed past Grace is kept for a while, so that a rightful owner that
-			// cannot run it (its Work keeps failing) does not make it bounce every Grace.
-			if want != me && !h.releasing && now.Before(h.keepUntil) {
-				later(h.keepUntil)
-				continue
-			}
-			if want != me && !h.releasing {
-				h.releasing = true
-				close(h.release)
-				e.log.Info().Int("partition", p).Uint64("epoch", h.lease.Epoch).Str("to", want).
-					Msg("handing partition over for rebalance")
-			}
+
+	// Partitions already being handed over count towards the excess, whichever they are. A
+	// partition claimed past Grace is kept for a while rather than swapped for another, so
+	// that a member that cannot run it (its Work keeps failing) does not make it bounce every
+	// Grace.
+	excess := len(releases)
+	for _, h := range e.holders {
+		if h.releasing {
+			excess--
+		}
+	}
+	for _, p := range releases {
+		h := e.holders[p]
+		if excess <= 0 {
+			break
+		}
+		if h.releasing {
 			continue
 		}
-		if s.owner != "" || ctx.Err() != nil {
+		excess--
+		if now.Before(h.keepUntil) {
+			later(h.keepUntil)
 			continue
 		}
-		if until, ok := e.cooldown[p]; ok && now.Before(until) {
+		h.releasing = true
+		close(h.release)
+		e.log.Info().Int("partition", p).Uint64("epoch", h.lease.Epoch).Int("quota", Quota(len(owners), members, me)).
+			Int("members", len(members)).Msg("handing partition over for rebalance")
+	}
+
+	if ctx.Err() != nil {
+		return next
+	}
+	if until := e.settling(now, members, slots); !until.IsZero() {
+		later(until)
+		return next
+	}
+	// Planned claims go first, in Plan's order of preference, so that replicas claiming at the
+	// same time mostly go for different partitions.
+	planned := make(map[int]bool, len(claims))
+	cooling := func(p int) bool {
+		until, ok := e.cooldown[p]
+		if ok && now.Before(until) {
 			later(until)
+			return true
+		}
+		return false
+	}
+	for _, p := range claims {
+		planned[p] = true
+		if !cooling(p) {
+			e.claim(ctx, wg, p, slots[p], true)
+		}
+	}
+	for p, s := range slots {
+		if owners[p] != "" || planned[p] || cooling(p) {
 			continue
 		}
-		if want != me && now.Sub(s.freeSince) < e.cfg.Grace {
+		if now.Sub(s.freeSince) < e.cfg.Grace {
 			later(s.freeSince.Add(e.cfg.Grace))
 			continue
 		}
-		e.claim(ctx, wg, p, s, want == me)
+		e.claim(ctx, wg, p, s, false)
 	}
 	return next
 }
 
-// claim tries to create partition p's lease and, on success, starts its holder.
-func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, ranked bool) {
+// settling returns until when this replica waits, at start, for the member set to settle before
+// it claims free partitions, or zero once it may claim. It waits until the member set has not
+// changed for Settle, at most 4×Settle after the view was first ready, and not at all if every
+// partition was owned then: replicas started together then split the partitions by their quotas
+// at once, instead of the first one claiming them all and handing most of them back.
+func (e *Elector) settling(now time.Time, members []string, slots []slot) time.Time {
+	st := &e.settle
+	if st.done {
+		return time.Time{}
+	}
+	if st.start.IsZero() {
+		st.start = now
+		st.done = !slices.ContainsFunc(slots, func(s slot) bool { return s.owner == "" })
+		if st.done {
+			return time.Time{}
+		}
+	}
+	if sig := strings.Join(members, ","); sig != st.members || st.since.IsZero() {
+		st.members, st.since = sig, now
+	}
+	until := st.since.Add(e.cfg.Settle)
+	if limit := st.start.Add(4 * e.cfg.Settle); limit.Before(until) {
+		until = limit
+	}
+	if now.Before(until) {
+		return until
+	}
+	st.done = true
+	e.log.Debug().Strs("members", members).Dur("after", now.Sub(st.start)).Msg("member set settled")
+	return time.Time{}
+}
+
+// claim tries to create partition p's lease and, on success, starts its holder. planned says
+// whether [Plan] asked for it (within the quota) rather than Grace.
+func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, planned bool) {
 	key := leaseKey(p)
 	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
 	defer cancel()
@@ -275,13 +371,13 @@ func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, 
 	l := &Lease{Partition: p, Epoch: rev, base: e.base}
 	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
 	h := &holder{e: e, lease: l, key: key, subject: e.leasePrefix + key, rev: rev, release: make(chan struct{})}
-	if !ranked {
+	if !planned {
 		h.keepUntil = time.Now().Add(graceHold * e.cfg.LeaseTTL)
 	}
 	e.holders[p] = h
 	e.publishOwned()
 	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
-		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("ranked_first", ranked).
+		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
 		Msg("partition claimed")
 	wg.Go(func() { e.exits <- h.run(ctx) })
 }

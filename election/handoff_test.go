@@ -3,6 +3,7 @@ package election_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -12,10 +13,10 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 )
 
-// TestScaleOutHandsOverRankedPartitions starts one replica, then a second: the first hands over
-// exactly the partitions the second ranks first for, each one's Work ending before the new one's
-// starts.
-func TestScaleOutHandsOverRankedPartitions(t *testing.T) {
+// TestScaleOutHandsOverExcess starts one replica, then a second: the first hands over exactly
+// the half of its partitions it weighs lowest, each one's Work ending before the new one's
+// starts, and keeps the rest.
+func TestScaleOutHandsOverExcess(t *testing.T) {
 	const P = 16
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -24,11 +25,15 @@ func TestScaleOutHandsOverRankedPartitions(t *testing.T) {
 	a := startReplica(t, srv, "a", P, tr.work("a"))
 	natstest.Eventually(t, 5*time.Second, ownedEquals(a, all(P)))
 	b := startReplica(t, srv, "b", P, tr.work("b"))
-	members := []string{"a", "b"}
-	natstest.Eventually(t, 5*time.Second, ownedEquals(b, ranked(P, "b", members)))
-	natstest.Eventually(t, 5*time.Second, ownedEquals(a, ranked(P, "a", members)))
-	t.Logf("scale 1→2 moved %d of %d partitions", len(ranked(P, "b", members)), P)
-	for range len(ranked(P, "b", members)) {
+	handed := planned(P, "a", []string{"a", "b"}, "a")
+	if len(handed) != P/2 {
+		t.Fatalf("Plan(a, [a b], a owns all) releases %v, want %d partitions", handed, P/2)
+	}
+	kept := slices.DeleteFunc(all(P), func(p int) bool { return slices.Contains(handed, p) })
+	natstest.Eventually(t, 5*time.Second, ownedEquals(b, handed))
+	natstest.Eventually(t, 5*time.Second, ownedEquals(a, kept))
+	t.Logf("scale 1→2 moved %d of %d partitions", len(handed), P)
+	for range len(handed) {
 		if e := <-tr.ends; e.replica != "a" || !errors.Is(e.cause, election.ErrReleased) {
 			t.Errorf("Work end %+v, want replica a with ErrReleased", e)
 		}

@@ -65,17 +65,17 @@ func TestGraceClaimsFromSilentMember(t *testing.T) {
 	if _, err := kv.Put(context.Background(), "member.ghost", []byte("ghost")); err != nil {
 		t.Fatalf("Put(member.ghost): %v", err)
 	}
-	mine := ranked(P, "a", []string{"a", "ghost"})
-	if len(mine) == P || len(mine) == 0 {
-		t.Fatalf("ranking gives a %d of %d partitions; pick other ids", len(mine), P)
+	mine := planned(P, "a", []string{"a", "ghost"}, "")
+	if len(mine) != P/2 {
+		t.Fatalf("Plan(a, [a ghost], all free) claims %v, want %d partitions", mine, P/2)
 	}
 	tr := newTracker(t)
 	start := time.Now()
 	r := startReplica(t, srv, "a", P, tr.work("a"), func(c *election.Config) { c.Grace = 500 * time.Millisecond })
 	natstest.Eventually(t, 2*time.Second, ownedEquals(r, mine))
-	ranked := time.Since(start)
+	quota := time.Since(start)
 	natstest.Eventually(t, 3*time.Second, ownedEquals(r, all(P)))
-	t.Logf("ranked partitions owned after %v, the ghost's after %v (Grace 500ms)", ranked, time.Since(start))
+	t.Logf("a's quota owned after %v, the ghost's after %v (Grace 500ms)", quota, time.Since(start))
 	if d := time.Since(start); d < 500*time.Millisecond {
 		t.Errorf("ghost's partitions claimed after %v, want ≥ Grace", d)
 	}
