@@ -1,0 +1,343 @@
+package kv
+
+import (
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+)
+
+// ReasonInvalidGroup is the [Entry.Reason] of a device whose value is not one valid subject token.
+const ReasonInvalidGroup = "invalid-group"
+
+// ErrInvalidConfig is wrapped by the error [New] returns for an unusable argument.
+var ErrInvalidConfig = errors.New("kv: invalid config")
+
+// ErrRunning is returned by [Table.Run] when the table is already running.
+var ErrRunning = errors.New("kv: table already running")
+
+// Config tunes a Table. Zero fields mean defaults.
+type Config struct {
+	Logger zerolog.Logger // default zerolog.Nop()
+	// OnUpdate, if set, is called on the watch goroutine after each applied change (for
+	// metrics); must not block.
+	OnUpdate func(u Update)
+	// RetryMin is the first wait before re-watching after the watch stopped or failed; it
+	// doubles on each failure up to RetryMax. Defaults: 100ms and 5s.
+	RetryMin time.Duration
+	// RetryMax caps the wait between re-watch attempts. Default 5s.
+	RetryMax time.Duration
+	// CheckInterval is how often Run asks the server whether the bucket still exists and the
+	// watcher keeps up with it; nats.go alone notices neither for 10–20 s. Default 1s.
+	CheckInterval time.Duration
+}
+
+// Update describes one change applied to a [Table], as passed to [Config.OnUpdate].
+type Update struct {
+	Device  string
+	Entry   Entry
+	Deleted bool // the device was removed (delete, purge, or gone from a re-watched bucket)
+	Initial bool // the change belongs to a watch's initial values, not a live update
+}
+
+// Entry is what the table holds for one device.
+type Entry struct {
+	Group    string // valid group token, or "" when Reason is set
+	Revision uint64 // KV revision of the value
+	Reason   string // "" for a valid mapping, else "invalid-group" (the value is not one valid subject token)
+}
+
+// numShards must be a power of two. 256 locks keep 16 concurrent readers (and the one writer)
+// mostly on different cache lines while costing only 16 KiB.
+const numShards = 256
+
+// slot is what a shard map stores per device: 16 bytes with no pointers. group indexes Table.groups; 0 means invalid. gen is the watch generation that last
+// wrote the slot, used to sweep devices that disappeared while the watch was down.
+type slot struct {
+	rev   uint64
+	group uint32
+	gen   uint32
+}
+
+// shortKey holds a device id of up to shortKeyMax bytes inline, its length in the last byte.
+// Keeping ids inside the map slot saves a pointer chase (a second cache miss) per Lookup in a
+// table far larger than the CPU caches, and leaves the GC nothing to scan in the map.
+type shortKey [24]byte
+
+const shortKeyMax = len(shortKey{}) - 1
+
+func makeShortKey(device string) (k shortKey, ok bool) {
+	if len(device) > shortKeyMax {
+		return k, false
+	}
+	copy(k[:], device)
+	k[shortKeyMax] = byte(len(device))
+	return k, true
+}
+
+func (k *shortKey) String() string { return string(k[:k[shortKeyMax]]) }
+
+type shard struct {
+	mu    sync.RWMutex
+	short map[shortKey]slot                             // ids of at most shortKeyMax bytes
+	long  map[string]slot                               // longer ids
+	_     [64 - unsafe.Sizeof(sync.RWMutex{}) - 16]byte // one shard per cache line
+}
+
+func (s *shard) len() int { return len(s.short) + len(s.long) }
+
+// get must be called with s.mu held.
+func (s *shard) get(device string) (slot, bool) {
+	if k, ok := makeShortKey(device); ok {
+		v, ok := s.short[k]
+		return v, ok
+	}
+	v, ok := s.long[device]
+	return v, ok
+}
+
+// Table is an in-memory view of the device→group bucket, kept current by [Table.Run].
+// Lookup, Len, Revision and Ready are safe for concurrent use.
+type Table struct {
+	bucket     jetstream.KeyValue
+	log        zerolog.Logger
+	onUpdate   func(Update)
+	retryMin   time.Duration
+	retryMax   time.Duration
+	checkEvery time.Duration
+
+	seed   maphash.Seed
+	shards [numShards]shard
+	// groups is append-only; index 0 is the invalid group "". The writer appends in place
+	// (or into a fresh array) before publishing the longer header, so a reader never indexes
+	// past the header it loaded.
+	groups atomic.Pointer[[]string]
+	n      atomic.Int64
+	rev    atomic.Uint64
+	// watchRev is the highest revision the current watcher delivered, for the stall check.
+	watchRev atomic.Uint64
+
+	ready     chan struct{}
+	readyOnce sync.Once
+	running   atomic.Bool
+
+	// stalledAt is the stream revision behind the last stall re-watch. Owned by the check
+	// goroutine; successive ones are ordered by the WaitGroup that waits for each.
+	stalledAt uint64
+
+	// Owned by the goroutine running Run.
+	intern  map[string]uint32
+	gen     uint32
+	invalid limiter
+}
+
+// New returns a Table for bucket. It does no I/O: call [Table.Run] to load and watch the bucket.
+func New(bucket jetstream.KeyValue, cfg Config) (*Table, error) {
+	if bucket == nil {
+		return nil, fmt.Errorf("%w: nil bucket", ErrInvalidConfig)
+	}
+	if cfg.RetryMin < 0 || cfg.RetryMax < 0 || cfg.CheckInterval < 0 {
+		return nil, fmt.Errorf("%w: negative interval", ErrInvalidConfig)
+	}
+	return newTable(bucket, cfg), nil
+}
+
+func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
+	if cfg.RetryMin == 0 {
+		cfg.RetryMin = 100 * time.Millisecond
+	}
+	if cfg.RetryMax == 0 {
+		cfg.RetryMax = 5 * time.Second
+	}
+	if cfg.CheckInterval == 0 {
+		cfg.CheckInterval = time.Second
+	}
+	if cfg.RetryMax < cfg.RetryMin {
+		cfg.RetryMax = cfg.RetryMin
+	}
+	t := &Table{
+		bucket:     bucket,
+		log:        cfg.Logger,
+		onUpdate:   cfg.OnUpdate,
+		retryMin:   cfg.RetryMin,
+		retryMax:   cfg.RetryMax,
+		checkEvery: cfg.CheckInterval,
+		seed:       maphash.MakeSeed(),
+		ready:      make(chan struct{}),
+		intern:     make(map[string]uint32),
+	}
+	for i := range t.shards {
+		t.shards[i].short = make(map[shortKey]slot)
+		t.shards[i].long = make(map[string]slot)
+	}
+	groups := []string{""}
+	t.groups.Store(&groups)
+	return t
+}
+
+// Ready returns a channel that Run closes, once, after the initial values have been loaded: the
+// watcher's nil marker has arrived and the watch has caught up with the bucket. It stays closed
+// across re-watches.
+func (t *Table) Ready() <-chan struct{} { return t.ready }
+
+// Lookup returns the device's entry; ok is false when the device has no key (never put, deleted
+// or purged). An invalid value gives ok true with Reason [ReasonInvalidGroup].
+// Safe for concurrent use; zero allocations.
+func (t *Table) Lookup(device string) (e Entry, ok bool) {
+	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
+	s.mu.RLock()
+	v, ok := s.get(device)
+	s.mu.RUnlock()
+	if !ok {
+		return Entry{}, false
+	}
+	if v.group == 0 {
+		return Entry{Revision: v.rev, Reason: ReasonInvalidGroup}, true
+	}
+	// The index was written after the group was published, and the shard lock orders the two.
+	return Entry{Group: (*t.groups.Load())[v.group], Revision: v.rev}, true
+}
+
+// Len returns the number of devices in the table, invalid ones included.
+func (t *Table) Len() int { return int(t.n.Load()) }
+
+// Revision returns the highest KV revision applied. It does not go back if the bucket is
+// recreated.
+func (t *Table) Revision() uint64 { return t.rev.Load() }
+
+func (t *Table) shard(device string) *shard {
+	return &t.shards[maphash.String(t.seed, device)&(numShards-1)]
+}
+
+// groupIndex returns the interned index of group, adding it if new. Only the writer calls it.
+func (t *Table) groupIndex(group []byte) uint32 {
+	if i, ok := t.intern[string(group)]; ok {
+		return i
+	}
+	g := string(group)
+	groups := *t.groups.Load()
+	i := uint32(len(groups))
+	groups = append(groups, g)
+	t.groups.Store(&groups)
+	t.intern[g] = i
+	return i
+}
+
+// put stores device → group (or invalid when group is nil) and reports the stored entry.
+func (t *Table) put(device string, group []byte, valid bool, rev uint64) Entry {
+	var idx uint32
+	if valid {
+		idx = t.groupIndex(group)
+	}
+	s := t.shard(device)
+	s.mu.Lock()
+	before := s.len()
+	v := slot{rev: rev, group: idx, gen: t.gen}
+	if k, ok := makeShortKey(device); ok {
+		s.short[k] = v
+	} else {
+		// Cloned on every write: map assignment replaces a string key, and the watcher's key
+		// is a substring of the whole message subject.
+		s.long[strings.Clone(device)] = v
+	}
+	added := s.len() - before
+	s.mu.Unlock()
+	t.n.Add(int64(added))
+	t.bumpRevision(rev)
+	if !valid {
+		return Entry{Revision: rev, Reason: ReasonInvalidGroup}
+	}
+	return Entry{Group: (*t.groups.Load())[idx], Revision: rev}
+}
+
+// remove deletes device and reports whether it was present.
+func (t *Table) remove(device string, rev uint64) bool {
+	s := t.shard(device)
+	s.mu.Lock()
+	_, existed := s.get(device)
+	if existed {
+		if k, ok := makeShortKey(device); ok {
+			delete(s.short, k)
+		} else {
+			delete(s.long, device)
+		}
+	}
+	s.mu.Unlock()
+	if existed {
+		t.n.Add(-1)
+	}
+	t.bumpRevision(rev)
+	return existed
+}
+
+// sweep removes every device not written by the current watch generation: those deleted while
+// the watch was down with their markers gone, or all of them if the bucket was recreated.
+func (t *Table) sweep() int {
+	var gone []string
+	total := 0
+	for i := range t.shards {
+		s := &t.shards[i]
+		gone = gone[:0]
+		s.mu.Lock()
+		for k, v := range s.short {
+			if v.gen != t.gen {
+				delete(s.short, k)
+				gone = append(gone, k.String())
+			}
+		}
+		for k, v := range s.long {
+			if v.gen != t.gen {
+				delete(s.long, k)
+				gone = append(gone, k)
+			}
+		}
+		s.mu.Unlock()
+		t.n.Add(-int64(len(gone)))
+		total += len(gone)
+		if t.onUpdate != nil {
+			for _, k := range gone {
+				t.onUpdate(Update{Device: k, Deleted: true, Initial: true})
+			}
+		}
+	}
+	return total
+}
+
+// presize gives the empty shard maps room for about n devices, so that the first load does not
+// rehash each map a dozen times as it grows. Only the writer calls it, before the first watch.
+func (t *Table) presize(n uint64) {
+	const maxHint = 1 << 26
+	per := int(min(n, maxHint)/numShards + 1)
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		if len(s.short) == 0 {
+			s.short = make(map[shortKey]slot, per)
+		}
+		s.mu.Unlock()
+	}
+}
+
+func (t *Table) bumpRevision(rev uint64) {
+	if rev > t.rev.Load() {
+		t.rev.Store(rev) // single writer
+	}
+}
+
+func (t *Table) markReady() { t.readyOnce.Do(func() { close(t.ready) }) }
+
+func (t *Table) isReady() bool {
+	select {
+	case <-t.ready:
+		return true
+	default:
+		return false
+	}
+}
