@@ -83,9 +83,11 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 		Description: "Devices publish to incoming.{device}.{event}; kvmapper looks each device's group up in the\n" +
 			"device-groups KV bucket and republishes the unchanged message to outgoing.{group}.{device}.{event},\n" +
 			"in per-device order. Run it N times for automatic failover.",
-		Writer:          stdout,
-		ErrWriter:       stderr,
-		OnUsageError:    onUsage,
+		Writer:       stdout,
+		ErrWriter:    stderr,
+		OnUsageError: onUsage,
+		// cli.Exit errors come back to realMain instead of exiting inside app.Run.
+		ExitErrHandler:  func(*cli.Context, error) {},
 		HideHelpCommand: true,
 		Commands: []*cli.Command{
 			runCommand(),

@@ -368,7 +368,8 @@ func TestFencedByCheckpointWrite(t *testing.T) {
 	if _, err := f.ctl.Put(context.Background(), lanes.CheckpointKey(p), []byte("1")); err != nil {
 		t.Fatal(err)
 	}
-	f.publish([]string{dev}, 1, nil)
+	f.publishFrom([]string{dev}, 1, 1, nil)
+	f.read("OUTGOING", 2) // acknowledged: its checkpoint write is the one that must fail
 	errs := stop()
 	if !errors.Is(errs[p], lanes.ErrFenced) {
 		t.Errorf("Run(partition %d) = %v, want ErrFenced", p, errs[p])

@@ -1,0 +1,325 @@
+package audit
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// Kinds of [Finding].
+const (
+	// KindReorder: a device's message stored after one with a higher INCOMING sequence in the
+	// same stream (I1).
+	KindReorder = "reorder"
+	// KindDuplicate: an INCOMING sequence stored a second time, in the same output stream or in
+	// the other one (I2).
+	KindDuplicate = "duplicate"
+	// KindMissing: an INCOMING sequence of the audited range found in neither output (I2).
+	KindMissing = "missing"
+	// KindStaleEpoch: a message of a partition stored after one of the same partition with a
+	// higher lease epoch, in the same stream: a deposed owner's write landed (I3).
+	KindStaleEpoch = "stale-epoch"
+	// KindForeign: a message whose Nats-Msg-Id is absent or does not name an INCOMING sequence
+	// ("<Incoming>:<seq>"). Someone other than kvmapper published it; it does not fail the audit.
+	KindForeign = "foreign"
+)
+
+// kinds lists the kinds in the order findings are reported.
+var kinds = [...]string{KindMissing, KindDuplicate, KindReorder, KindStaleEpoch, KindForeign}
+
+// Config says what [Run] audits. Zero fields mean the defaults given.
+type Config struct {
+	Layout   *subjects.Layout // required: where the device token sits in output subjects
+	Incoming string           // INCOMING stream name, default "INCOMING"; also the Nats-Msg-Id prefix
+	Outgoing string           // default "OUTGOING"
+	Unmapped string           // default "UNMAPPED"
+	// Wait, when positive and messages are missing after the outputs have been read up to their
+	// last sequence at the start, keeps consuming both outputs (continuing where it stopped) until
+	// nothing is missing or Wait has passed: for a mapper that is still catching up.
+	Wait time.Duration
+	// MaxFindings is how many example findings are kept per kind. Default 20; negative keeps none.
+	MaxFindings int
+	// Progress, if set, is called with the number of output messages read so far, about every
+	// 64k messages and once at the end. Calls are serialised; it must not block for long.
+	Progress func(read uint64)
+}
+
+// Finding is one example of something wrong (or foreign) in the outputs.
+type Finding struct {
+	Kind   string `json:"kind"`             // one of the Kind constants
+	Device string `json:"device,omitempty"` // from the output subject, or the INCOMING subject for missing
+	// Seq is the INCOMING sequence the message carries in Nats-Msg-Id (for missing: the one not
+	// found). Zero for foreign messages.
+	Seq       uint64 `json:"seq,omitempty"`
+	Stream    string `json:"stream"`     // the stream holding the message (INCOMING for missing)
+	StreamSeq uint64 `json:"stream_seq"` // its sequence in Stream
+	Detail    string `json:"detail"`     // one line, for people
+}
+
+// Report is the result of [Run]. Counts count every occurrence; Findings holds up to
+// [Config.MaxFindings] examples per kind, missing first, then duplicate, reorder, stale-epoch and
+// foreign, each in the order found.
+type Report struct {
+	// Incoming counts the INCOMING messages audited: FirstSeq..LastSeq when Run started, minus
+	// the sequences deleted then.
+	Incoming      uint64 `json:"incoming"`
+	IncomingFirst uint64 `json:"incoming_first"` // first sequence of the audited range
+	IncomingLast  uint64 `json:"incoming_last"`  // last sequence of the audited range
+	Outgoing      uint64 `json:"outgoing"`       // messages read from OUTGOING
+	Unmapped      uint64 `json:"unmapped"`       // messages read from UNMAPPED
+	// OutOfRange counts messages read whose INCOMING sequence lies outside the audited range
+	// (older than FirstSeq, e.g. trimmed by INCOMING's limits, or newer than LastSeq). They are
+	// checked for order and epoch, but a duplicate among them is found only when it follows the
+	// other copy directly in the same device's order.
+	OutOfRange  uint64        `json:"out_of_range"`
+	Devices     int           `json:"devices"` // distinct devices seen in the outputs
+	Reorders    uint64        `json:"reorders"`
+	Duplicates  uint64        `json:"duplicates"`
+	Missing     uint64        `json:"missing"`
+	StaleEpochs uint64        `json:"stale_epochs"`
+	Foreign     uint64        `json:"foreign"`
+	Findings    []Finding     `json:"findings"`
+	Elapsed     time.Duration `json:"elapsed_ns"`
+}
+
+// OK reports whether the audit found no reorder, duplicate, missing message or stale epoch.
+// Foreign messages do not count against it: they are not the mapper's.
+func (r *Report) OK() bool {
+	return r.Reorders == 0 && r.Duplicates == 0 && r.Missing == 0 && r.StaleEpochs == 0
+}
+
+// Run audits the outputs against INCOMING and returns the report; it returns an error only when
+// it could not complete the audit (a stream missing, a lost connection, ctx done).
+//
+// It takes INCOMING's state first (FirstSeq..LastSeq and the deleted sequences), then reads
+// OUTGOING and then UNMAPPED with ordered consumers from their first message up to their last
+// sequence at the time each is opened, headers only. With [Config.Wait] it then follows both.
+// Memory is one bit per sequence of INCOMING's range (two if it had interior deletes), one
+// entry per device per output and one per partition: about 125 MB per billion INCOMING
+// sequences, independent of message sizes. Run blocks until done and starts no goroutine that
+// outlives it; it is safe to call concurrently.
+func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, error) {
+	start := time.Now()
+	if cfg.Layout == nil {
+		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	cfg.Incoming = cmp.Or(cfg.Incoming, "INCOMING")
+	cfg.Outgoing = cmp.Or(cfg.Outgoing, "OUTGOING")
+	cfg.Unmapped = cmp.Or(cfg.Unmapped, "UNMAPPED")
+	if cfg.MaxFindings == 0 {
+		cfg.MaxFindings = 20
+	}
+	cfg.MaxFindings = max(cfg.MaxFindings, 0)
+	if cfg.Wait < 0 {
+		return nil, fmt.Errorf("%w: Wait %v is negative", ErrInvalidConfig, cfg.Wait)
+	}
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	a, err := snapshot(ctx, js, cfg)
+	if err != nil {
+		return nil, err
+	}
+	found, allFound := context.WithCancel(ctx)
+	defer allFound()
+	a.allFound = allFound
+
+	out, err := a.open(ctx, js, cfg.Outgoing, cfg.Layout.Out, "")
+	if err != nil {
+		return nil, err
+	}
+	defer out.stop()
+	unm, err := a.open(ctx, js, cfg.Unmapped, cfg.Layout.Unmapped, cfg.Layout.MalformedSubject())
+	if err != nil {
+		return nil, err
+	}
+	defer unm.stop()
+
+	// One output after the other, so that the copy reported as the duplicate is always the later
+	// one in the order OUTGOING, UNMAPPED.
+	if err := out.catchUp(ctx); err != nil {
+		return nil, err
+	}
+	if err := unm.catchUp(ctx); err != nil {
+		return nil, err
+	}
+	if cfg.Wait > 0 && a.missing.Load() > 0 {
+		wctx, wcancel := context.WithTimeout(found, cfg.Wait)
+		var g errgroup.Group
+		g.Go(func() error { return out.follow(wctx) })
+		g.Go(func() error { return unm.follow(wctx) })
+		err := g.Wait()
+		wcancel()
+		if err != nil {
+			return nil, err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if a.cfg.Progress != nil {
+		a.progress(out.unreported+unm.unreported, true)
+	}
+
+	rep := &Report{
+		Incoming:      a.incoming,
+		IncomingFirst: a.first,
+		IncomingLast:  a.last,
+		Outgoing:      out.read,
+		Unmapped:      unm.read,
+		OutOfRange:    out.outOfRange + unm.outOfRange,
+		Devices:       out.devices(nil) + unm.devices(out),
+	}
+	rep.Missing = a.missingCount()
+	per := map[string][]Finding{KindMissing: a.missingFindings(ctx, js)}
+	for _, r := range []*reader{out, unm} {
+		rep.Reorders += r.counts[KindReorder]
+		rep.Duplicates += r.counts[KindDuplicate]
+		rep.StaleEpochs += r.counts[KindStaleEpoch]
+		rep.Foreign += r.counts[KindForeign]
+		for k, fs := range r.findings {
+			per[k] = append(per[k], fs...)
+		}
+	}
+	for _, k := range kinds {
+		fs := per[k]
+		rep.Findings = append(rep.Findings, fs[:min(len(fs), cfg.MaxFindings)]...)
+	}
+	rep.Elapsed = time.Since(start)
+	return rep, nil
+}
+
+// auditor is the state shared by the two readers.
+type auditor struct {
+	cfg         Config
+	first, last uint64 // the audited INCOMING range; empty when last < first
+	incoming    uint64
+	seen        bitmap // seq-first, set when a copy is read
+	deleted     bitmap // seq-first, deleted at the start; nil when there were none
+	idPrefix    string
+	missing     atomic.Int64 // audited sequences not seen yet
+	allFound    context.CancelFunc
+
+	progressMu   sync.Mutex
+	progressRead uint64
+}
+
+func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor, error) {
+	s, err := js.Stream(ctx, cfg.Incoming)
+	if err != nil {
+		return nil, fmt.Errorf("audit: opening stream %s: %w", cfg.Incoming, err)
+	}
+	info, err := s.Info(ctx, jetstream.WithDeletedDetails(true))
+	if err != nil {
+		return nil, fmt.Errorf("audit: reading the state of stream %s: %w", cfg.Incoming, err)
+	}
+	st := info.State
+	a := &auditor{cfg: cfg, idPrefix: cfg.Incoming + ":"}
+	if st.Msgs == 0 {
+		return a, nil
+	}
+	a.first, a.last = st.FirstSeq, st.LastSeq
+	n := a.last - a.first + 1
+	a.seen = newBitmap(n)
+	a.incoming = n
+	if st.NumDeleted > 0 {
+		if len(st.Deleted) < st.NumDeleted {
+			return nil, fmt.Errorf("audit: stream %s reports %d deleted messages but listed %d; cannot tell them from missing ones",
+				cfg.Incoming, st.NumDeleted, len(st.Deleted))
+		}
+		a.deleted = newBitmap(n)
+		for _, seq := range st.Deleted {
+			if seq >= a.first && seq <= a.last && !a.deleted.set(seq-a.first) {
+				a.incoming--
+			}
+		}
+	}
+	a.missing.Store(int64(a.incoming))
+	return a, nil
+}
+
+// mark records a copy of seq and reports whether it is in the audited range and whether a copy
+// had been seen before.
+func (a *auditor) mark(seq uint64) (inRange, dup bool) {
+	if seq < a.first || seq > a.last {
+		return false, false
+	}
+	i := seq - a.first
+	if a.seen.set(i) {
+		return true, true
+	}
+	if a.deleted == nil || !a.deleted.get(i) {
+		if a.missing.Add(-1) == 0 {
+			a.allFound()
+		}
+	}
+	return true, false
+}
+
+func (a *auditor) missingCount() uint64 {
+	if a.last < a.first || a.seen == nil {
+		return 0
+	}
+	n := a.last - a.first + 1
+	got := a.seen.count()
+	if a.deleted != nil {
+		got = a.seen.countAndNot(a.deleted) + a.deleted.count()
+	}
+	return n - got
+}
+
+// missingFindings lists up to MaxFindings missing sequences, with the subject each has in
+// INCOMING (one GetMsg per example).
+func (a *auditor) missingFindings(ctx context.Context, js jetstream.JetStream) []Finding {
+	var l []Finding
+	if a.seen == nil || a.cfg.MaxFindings == 0 {
+		return nil
+	}
+	s, err := js.Stream(ctx, a.cfg.Incoming)
+	n := a.last - a.first + 1
+	for i := uint64(0); i < n && len(l) < a.cfg.MaxFindings; i++ {
+		i = a.seen.nextClear(i, n)
+		if i >= n {
+			break
+		}
+		if a.deleted != nil && a.deleted.get(i) {
+			continue
+		}
+		seq := a.first + i
+		f := Finding{Kind: KindMissing, Seq: seq, Stream: a.cfg.Incoming, StreamSeq: seq,
+			Detail: fmt.Sprintf("%s:%d is in neither %s nor %s", a.cfg.Incoming, seq, a.cfg.Outgoing, a.cfg.Unmapped)}
+		if err == nil {
+			if m, gerr := s.GetMsg(ctx, seq); gerr == nil {
+				var fl subjects.Fields
+				if a.cfg.Layout.Parse(m.Subject, &fl) == nil {
+					f.Device = fl.Device()
+				}
+				f.Detail += " (subject " + m.Subject + ")"
+			} else if errors.Is(gerr, jetstream.ErrMsgNotFound) {
+				f.Detail += " (deleted from INCOMING since the audit started)"
+			}
+		}
+		l = append(l, f)
+	}
+	return l
+}
+
+// progress adds n to the messages read and calls Config.Progress every 64k messages, or now.
+func (a *auditor) progress(n uint64, now bool) {
+	a.progressMu.Lock()
+	defer a.progressMu.Unlock()
+	before := a.progressRead
+	a.progressRead += n
+	if now || before>>16 != a.progressRead>>16 {
+		a.cfg.Progress(a.progressRead)
+	}
+}

@@ -1,0 +1,445 @@
+package audit_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/audit"
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// env is a server with the three streams of the default layout.
+type env struct {
+	t   testing.TB
+	srv *natstest.Server
+	js  jetstream.JetStream
+	lay *subjects.Layout
+}
+
+func newEnv(t testing.TB) *env {
+	t.Helper()
+	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		t.Fatalf("NewLayout: %v", err)
+	}
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	if _, err := setup.Ensure(context.Background(), js, setup.Config{Layout: lay}); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	return &env{t: t, srv: srv, js: js, lay: lay}
+}
+
+// in publishes one message per device to INCOMING and returns their sequences.
+func (e *env) in(devices ...string) []uint64 {
+	e.t.Helper()
+	var seqs []uint64
+	for _, d := range devices {
+		ack, err := e.js.Publish(context.Background(), "incoming."+d+".temp", []byte("x"))
+		if err != nil {
+			e.t.Fatalf("Publish(incoming.%s.temp): %v", d, err)
+		}
+		seqs = append(seqs, ack.Sequence)
+	}
+	return seqs
+}
+
+// put describes one message the simulated mapper writes.
+type put struct {
+	seq       uint64
+	device    string
+	unmapped  bool
+	malformed bool
+	epoch     uint64 // adds the provenance headers when not zero
+	id        string // Nats-Msg-Id instead of INCOMING:<seq>; "-" for none
+}
+
+// out writes c as the mapper would and returns its stream sequence. It fails on a duplicate.
+func (e *env) out(c put) uint64 {
+	e.t.Helper()
+	ack, err := e.publish(c)
+	if err != nil {
+		e.t.Fatalf("PublishMsg(%+v): %v", c, err)
+	}
+	if ack.Duplicate {
+		e.t.Fatalf("PublishMsg(%+v) was a duplicate", c)
+	}
+	return ack.Sequence
+}
+
+func (e *env) publish(c put) (*jetstream.PubAck, error) {
+	m := nats.NewMsg("outgoing.g1." + c.device + ".temp")
+	if c.unmapped {
+		m.Subject = "unmapped." + c.device + ".temp"
+		m.Header.Set(lanes.HeaderReason, lanes.ReasonNoMapping)
+	}
+	if c.malformed {
+		m.Subject = e.lay.MalformedSubject()
+		m.Header.Set(lanes.HeaderReason, lanes.ReasonMalformedSubject)
+	}
+	switch c.id {
+	case "":
+		m.Header.Set(nats.MsgIdHdr, "INCOMING:"+strconv.FormatUint(c.seq, 10))
+	case "-":
+	default:
+		m.Header.Set(nats.MsgIdHdr, c.id)
+	}
+	if c.epoch != 0 {
+		m.Header.Set(lanes.HeaderPartition, strconv.Itoa(subjects.Partition(c.device, e.lay.Partitions)))
+		m.Header.Set(lanes.HeaderEpoch, strconv.FormatUint(c.epoch, 10))
+	}
+	m.Data = []byte("x")
+	return e.js.PublishMsg(context.Background(), m)
+}
+
+func (e *env) run(cfg audit.Config) *audit.Report {
+	e.t.Helper()
+	cfg.Layout = e.lay
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rep, err := audit.Run(ctx, e.js, cfg)
+	if err != nil {
+		e.t.Fatalf("Run: %v", err)
+	}
+	return rep
+}
+
+// counts is the part of a report every test checks exactly.
+type counts struct {
+	Incoming, Outgoing, Unmapped, OutOfRange      uint64
+	Devices                                       int
+	Reorders, Duplicates, Missing, Stale, Foreign uint64
+}
+
+func check(t *testing.T, rep *audit.Report, want counts, ok bool, findings []audit.Finding) {
+	t.Helper()
+	got := counts{rep.Incoming, rep.Outgoing, rep.Unmapped, rep.OutOfRange, rep.Devices,
+		rep.Reorders, rep.Duplicates, rep.Missing, rep.StaleEpochs, rep.Foreign}
+	if got != want {
+		t.Errorf("Run() counts = %+v, want %+v", got, want)
+	}
+	if rep.OK() != ok {
+		t.Errorf("Report.OK() = %v, want %v", rep.OK(), ok)
+	}
+	if len(rep.Findings) != len(findings) || len(findings) > 0 && !reflect.DeepEqual(rep.Findings, findings) {
+		t.Errorf("Run() findings:\n%s\nwant:\n%s", fmtFindings(rep.Findings), fmtFindings(findings))
+	}
+}
+
+func fmtFindings(fs []audit.Finding) string {
+	s := ""
+	for _, f := range fs {
+		s += fmt.Sprintf("  %+v\n", f)
+	}
+	return s
+}
+
+func TestAllGood(t *testing.T) {
+	e := newEnv(t)
+	devs := []string{"dev-1", "dev-2", "dev-3"}
+	var seqs []uint64
+	for range 10 {
+		seqs = append(seqs, e.in(devs...)...)
+	}
+	bad := e.in("bad") // mapped to the malformed subject, as a lane does with a subject it cannot parse
+	for i, seq := range seqs {
+		d := devs[i%3]
+		e.out(put{seq: seq, device: d, unmapped: d == "dev-3", epoch: uint64(3 + i/10)})
+	}
+	e.out(put{seq: bad[0], malformed: true})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 31, Outgoing: 20, Unmapped: 11, Devices: 3}, true, nil)
+	if rep.IncomingFirst != 1 || rep.IncomingLast != 31 {
+		t.Errorf("Run() range = %d..%d, want 1..31", rep.IncomingFirst, rep.IncomingLast)
+	}
+}
+
+func TestEmpty(t *testing.T) {
+	e := newEnv(t)
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{}, true, nil)
+}
+
+func TestReorder(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1", "dev-1", "dev-2", "dev-2")
+	e.out(put{seq: s[0], device: "dev-1"})
+	e.out(put{seq: s[2], device: "dev-1"})
+	e.out(put{seq: s[3], device: "dev-2"})
+	late := e.out(put{seq: s[1], device: "dev-1"}) // 2 after 3
+	// Order is per stream: dev-2's 5 in UNMAPPED after its 4 in OUTGOING is fine, as is a
+	// lower sequence of another device.
+	e.out(put{seq: s[4], device: "dev-2", unmapped: true})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 5, Outgoing: 4, Unmapped: 1, Devices: 2, Reorders: 1}, false, []audit.Finding{
+		{Kind: audit.KindReorder, Device: "dev-1", Seq: 2, Stream: "OUTGOING", StreamSeq: late,
+			Detail: "INCOMING:2 stored after INCOMING:3 of the same device"},
+	})
+}
+
+func TestReorderWithinUnmapped(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1")
+	e.out(put{seq: s[1], device: "dev-1", unmapped: true})
+	e.out(put{seq: s[0], device: "dev-1", unmapped: true})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 2, Unmapped: 2, Devices: 1, Reorders: 1}, false, []audit.Finding{
+		{Kind: audit.KindReorder, Device: "dev-1", Seq: 1, Stream: "UNMAPPED", StreamSeq: 2,
+			Detail: "INCOMING:1 stored after INCOMING:2 of the same device"},
+	})
+}
+
+// TestDuplicate builds the two duplicates a real deployment can show: the same message in
+// OUTGOING and in UNMAPPED (OUTGOING's dedup cannot see UNMAPPED), and the same Nats-Msg-Id
+// stored twice in OUTGOING because the second publish came after the duplicate window (a
+// takeover slower than the window, or a replay).
+func TestDuplicate(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	s, err := e.js.Stream(ctx, "OUTGOING")
+	if err != nil {
+		t.Fatalf("Stream(OUTGOING): %v", err)
+	}
+	cfg := s.CachedInfo().Config
+	cfg.Duplicates = 100 * time.Millisecond
+	if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatalf("UpdateStream(OUTGOING, Duplicates 100ms): %v", err)
+	}
+
+	q := e.in("dev-1", "dev-1", "dev-1", "dev-1")
+	e.out(put{seq: q[0], device: "dev-1"})
+	e.out(put{seq: q[1], device: "dev-1"})
+	var again uint64
+	natstest.Eventually(t, 5*time.Second, func() error {
+		ack, err := e.publish(put{seq: q[1], device: "dev-1"})
+		if err != nil {
+			return err
+		}
+		if ack.Duplicate {
+			return errors.New("still inside the duplicate window")
+		}
+		again = ack.Sequence
+		return nil
+	})
+	e.out(put{seq: q[2], device: "dev-1"})
+	e.out(put{seq: q[3], device: "dev-1"})
+	e.out(put{seq: q[2], device: "dev-1", unmapped: true})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 4, Outgoing: 5, Unmapped: 1, Devices: 1, Duplicates: 2}, false, []audit.Finding{
+		{Kind: audit.KindDuplicate, Device: "dev-1", Seq: 2, Stream: "OUTGOING", StreamSeq: again,
+			Detail: "INCOMING:2 stored again (subject outgoing.g1.dev-1.temp)"},
+		{Kind: audit.KindDuplicate, Device: "dev-1", Seq: 3, Stream: "UNMAPPED", StreamSeq: 1,
+			Detail: "INCOMING:3 stored again (subject unmapped.dev-1.temp)"},
+	})
+}
+
+func TestMissing(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-2", "dev-1", "dev-2", "dev-1")
+	for _, i := range []int{0, 1, 3} {
+		e.out(put{seq: s[i], device: []string{"dev-1", "dev-2"}[i%2]})
+	}
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 5, Outgoing: 3, Devices: 2, Missing: 2}, false, []audit.Finding{
+		{Kind: audit.KindMissing, Device: "dev-1", Seq: 3, Stream: "INCOMING", StreamSeq: 3,
+			Detail: "INCOMING:3 is in neither OUTGOING nor UNMAPPED (subject incoming.6.dev-1.temp)"},
+		{Kind: audit.KindMissing, Device: "dev-1", Seq: 5, Stream: "INCOMING", StreamSeq: 5,
+			Detail: "INCOMING:5 is in neither OUTGOING nor UNMAPPED (subject incoming.6.dev-1.temp)"},
+	})
+}
+
+// TestDeletedIncoming: sequences deleted from INCOMING before the audit are not missing; the
+// first one moves the audited range, so its copy is out of range.
+func TestDeletedIncoming(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	s := e.in("dev-1", "dev-1", "dev-1", "dev-1", "dev-1", "dev-1")
+	in, err := e.js.Stream(ctx, "INCOMING")
+	if err != nil {
+		t.Fatalf("Stream(INCOMING): %v", err)
+	}
+	for _, seq := range []uint64{1, 3, 4} {
+		if err := in.DeleteMsg(ctx, seq); err != nil {
+			t.Fatalf("DeleteMsg(%d): %v", seq, err)
+		}
+	}
+	// 1 was mapped before it was deleted; 3 and 4 never were; 2, 5 and 6 were.
+	for _, i := range []int{0, 1, 4, 5} {
+		e.out(put{seq: s[i], device: "dev-1"})
+	}
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 3, Outgoing: 4, OutOfRange: 1, Devices: 1}, true, nil)
+	if rep.IncomingFirst != 2 || rep.IncomingLast != 6 {
+		t.Errorf("Run() range = %d..%d, want 2..6", rep.IncomingFirst, rep.IncomingLast)
+	}
+}
+
+func TestStaleEpoch(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1", "dev-2", "dev-1", "dev-2")
+	e.out(put{seq: s[0], device: "dev-1", epoch: 5})
+	e.out(put{seq: s[1], device: "dev-1", epoch: 7})
+	e.out(put{seq: s[2], device: "dev-2", epoch: 2}) // another partition: its own epochs
+	stale := e.out(put{seq: s[3], device: "dev-1", epoch: 5})
+	e.out(put{seq: s[4], device: "dev-2", epoch: 2})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 5, Outgoing: 5, Devices: 2, Stale: 1}, false, []audit.Finding{
+		{Kind: audit.KindStaleEpoch, Device: "dev-1", Seq: 4, Stream: "OUTGOING", StreamSeq: stale,
+			Detail: "partition 6 epoch 5 stored after epoch 7: a deposed owner's write"},
+	})
+}
+
+func TestForeign(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1")
+	e.out(put{seq: s[0], device: "dev-1"})
+	e.out(put{device: "dev-1", id: "-"})
+	e.out(put{device: "dev-9", id: "OTHER:1"})
+
+	rep := e.run(audit.Config{})
+	check(t, rep, counts{Incoming: 1, Outgoing: 3, Devices: 1, Foreign: 2}, true, []audit.Finding{
+		{Kind: audit.KindForeign, Device: "dev-1", Stream: "OUTGOING", StreamSeq: 2,
+			Detail: "no Nats-Msg-Id header (subject outgoing.g1.dev-1.temp)"},
+		{Kind: audit.KindForeign, Device: "dev-9", Stream: "OUTGOING", StreamSeq: 3,
+			Detail: `Nats-Msg-Id "OTHER:1" does not have the form INCOMING:<sequence> (subject outgoing.g1.dev-9.temp)`},
+	})
+}
+
+func TestMaxFindings(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1", "dev-1", "dev-1", "dev-1")
+	for i := len(s) - 1; i >= 0; i-- {
+		e.out(put{seq: s[i], device: "dev-1"})
+	}
+	rep := e.run(audit.Config{MaxFindings: 2})
+	check(t, rep, counts{Incoming: 5, Outgoing: 5, Devices: 1, Reorders: 4}, false, []audit.Finding{
+		{Kind: audit.KindReorder, Device: "dev-1", Seq: 4, Stream: "OUTGOING", StreamSeq: 2,
+			Detail: "INCOMING:4 stored after INCOMING:5 of the same device"},
+		{Kind: audit.KindReorder, Device: "dev-1", Seq: 3, Stream: "OUTGOING", StreamSeq: 3,
+			Detail: "INCOMING:3 stored after INCOMING:5 of the same device"},
+	})
+}
+
+// TestWait: the last message is missing when the outputs have been read; it arrives in UNMAPPED
+// during the wait, and the audit ends as soon as it has it.
+func TestWait(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1", "dev-1")
+	e.out(put{seq: s[0], device: "dev-1"})
+	e.out(put{seq: s[1], device: "dev-1"})
+
+	type result struct {
+		rep *audit.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := audit.Run(context.Background(), e.js, audit.Config{Layout: e.lay, Wait: time.Minute})
+		done <- result{rep, err}
+	}()
+	// Run has read both outputs to the end it saw once each has its consumer and OUTGOING's has
+	// delivered everything; what is published after that can only arrive during the wait.
+	natstest.Eventually(t, 10*time.Second, func() error {
+		for stream, want := range map[string]uint64{"OUTGOING": 2, "UNMAPPED": 0} {
+			if err := consumerAt(e.js, stream, want); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	e.out(put{seq: s[2], device: "dev-1", unmapped: true})
+
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run with Wait 1m did not return within 30s of the missing message")
+	}
+	if r.err != nil {
+		t.Fatalf("Run: %v", r.err)
+	}
+	check(t, r.rep, counts{Incoming: 3, Outgoing: 2, Unmapped: 1, Devices: 1}, true, nil)
+	if r.rep.Elapsed > 30*time.Second {
+		t.Errorf("Run() Elapsed = %v, want it to end when nothing is missing", r.rep.Elapsed)
+	}
+}
+
+// consumerAt checks that stream has a consumer that has delivered everything up to seq.
+func consumerAt(js jetstream.JetStream, stream string, seq uint64) error {
+	s, err := js.Stream(context.Background(), stream)
+	if err != nil {
+		return err
+	}
+	l := s.ListConsumers(context.Background())
+	for ci := range l.Info() {
+		if ci.Delivered.Stream >= seq {
+			return nil
+		}
+	}
+	if err := l.Err(); err != nil {
+		return err
+	}
+	return fmt.Errorf("no consumer on %s has delivered up to %d", stream, seq)
+}
+
+func TestWaitTimesOut(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1")
+	e.out(put{seq: s[0], device: "dev-1"})
+	rep := e.run(audit.Config{Wait: 300 * time.Millisecond})
+	check(t, rep, counts{Incoming: 2, Outgoing: 1, Devices: 1, Missing: 1}, false, []audit.Finding{
+		{Kind: audit.KindMissing, Device: "dev-1", Seq: 2, Stream: "INCOMING", StreamSeq: 2,
+			Detail: "INCOMING:2 is in neither OUTGOING nor UNMAPPED (subject incoming.6.dev-1.temp)"},
+	})
+	if rep.Elapsed < 300*time.Millisecond {
+		t.Errorf("Run() Elapsed = %v, want at least the 300ms wait", rep.Elapsed)
+	}
+}
+
+func TestProgress(t *testing.T) {
+	e := newEnv(t)
+	s := e.in("dev-1", "dev-1", "dev-1")
+	for _, seq := range s {
+		e.out(put{seq: seq, device: "dev-1"})
+	}
+	var calls []uint64
+	e.run(audit.Config{Progress: func(n uint64) { calls = append(calls, n) }})
+	if !reflect.DeepEqual(calls, []uint64{3}) {
+		t.Errorf("Progress calls = %v, want [3]", calls)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if _, err := audit.Run(ctx, e.js, audit.Config{}); !errors.Is(err, audit.ErrInvalidConfig) {
+		t.Errorf("Run(no Layout) = %v, want ErrInvalidConfig", err)
+	}
+	_, err := audit.Run(ctx, e.js, audit.Config{Layout: e.lay, Outgoing: "NOPE"})
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		t.Errorf("Run(Outgoing NOPE) = %v, want ErrStreamNotFound", err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := audit.Run(cctx, e.js, audit.Config{Layout: e.lay}); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run(canceled ctx) = %v, want context.Canceled", err)
+	}
+}

@@ -1,0 +1,122 @@
+package audit
+
+import (
+	"strings"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// parseUint parses a decimal number with no sign, as strconv.FormatUint writes it, without
+// allocating.
+func parseUint(s string) (uint64, bool) {
+	if s == "" || len(s) > 20 {
+		return 0, false
+	}
+	var n uint64
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		d := uint64(c - '0')
+		if n > (1<<64-1-d)/10 {
+			return 0, false
+		}
+		n = n*10 + d
+	}
+	return n, true
+}
+
+// parseID returns the INCOMING sequence of a Nats-Msg-Id "<prefix><sequence>".
+func parseID(id, prefix string) (uint64, bool) {
+	if !strings.HasPrefix(id, prefix) {
+		return 0, false
+	}
+	seq, ok := parseUint(id[len(prefix):])
+	return seq, ok && seq > 0
+}
+
+// parseReply returns the stream sequence and the pending count from a JetStream ack subject,
+// without allocating (jetstream.Msg.Metadata allocates). The two forms:
+//
+//	$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<tm>.<pending>
+//	$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<tm>.<pending>[.<token>…]
+func parseReply(reply string) (sseq, pending uint64, ok bool) {
+	const pre = "$JS.ACK."
+	if !strings.HasPrefix(reply, pre) {
+		return 0, 0, false
+	}
+	var seqAt, pendAt int
+	switch n := strings.Count(reply, ".") + 1; {
+	case n == 9:
+		seqAt, pendAt = 5, 8
+	case n >= 11:
+		seqAt, pendAt = 7, 10
+	default:
+		return 0, 0, false
+	}
+	okS, okP := false, false
+	rest := reply
+	for i := 0; i <= pendAt; i++ {
+		tok := rest
+		if j := strings.IndexByte(rest, '.'); j >= 0 {
+			tok, rest = rest[:j], rest[j+1:]
+		}
+		switch i {
+		case seqAt:
+			sseq, okS = parseUint(tok)
+		case pendAt:
+			pending, okP = parseUint(tok)
+		}
+	}
+	return sseq, pending, okS && okP
+}
+
+// devParser finds the {device} token of subjects of one template without allocating.
+type devParser struct {
+	toks []string // the template's tokens; placeholders as "{name}"
+	ph   []bool
+	dev  int // index of {device} among toks, or -1
+}
+
+func newDevParser(t *subjects.Template) devParser {
+	toks := strings.Split(t.String(), ".")
+	p := devParser{toks: toks, ph: make([]bool, len(toks)), dev: -1}
+	for i, tk := range toks {
+		p.ph[i] = strings.HasPrefix(tk, "{") && strings.HasSuffix(tk, "}")
+		if tk == "{device}" && p.dev < 0 {
+			p.dev = i
+		}
+	}
+	return p
+}
+
+// device returns the device token of subject, or "" when subject does not have the template's
+// shape.
+func (p *devParser) device(subject string) string {
+	var dev string
+	rest := subject
+	for i, tk := range p.toks {
+		tok := rest
+		if i < len(p.toks)-1 {
+			j := strings.IndexByte(rest, '.')
+			if j < 0 {
+				return ""
+			}
+			tok, rest = rest[:j], rest[j+1:]
+		} else if strings.IndexByte(rest, '.') >= 0 {
+			return ""
+		}
+		switch {
+		case tok == "":
+			return ""
+		case !p.ph[i]:
+			if tok != tk {
+				return ""
+			}
+		case i == p.dev:
+			dev = tok
+		}
+	}
+	return dev
+}

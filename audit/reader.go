@@ -1,0 +1,239 @@
+package audit
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// pullBatch is how many messages each ordered consumer asks for at a time. Headers-only messages
+// are small; a larger batch keeps the server busy while the reader works.
+const pullBatch = 4096
+
+// progressEvery is how many messages a reader reads between reports to Config.Progress.
+const progressEvery = 4096
+
+// reader reads one output stream in order and checks what only that stream can tell: per-device
+// order and per-partition epochs. Its state belongs to the goroutine that calls catchUp and follow.
+type reader struct {
+	a         *auditor
+	name      string
+	js        jetstream.JetStream
+	cons      jetstream.Consumer
+	it        jetstream.MessagesContext
+	stopAfter func() bool
+	startLast uint64 // LastSeq when opened
+	startMsgs uint64 // Msgs when opened
+	subj      devParser
+	malformed string // the subject whose device token means nothing, or ""
+
+	read, outOfRange uint64
+	unreported       uint64 // read but not yet passed to progress
+	dev              map[string]int32
+	last             []uint64 // by dev index: the highest INCOMING sequence seen
+	epochs           []uint64 // by partition: the highest epoch seen; 0 for none
+	counts           map[string]uint64
+	findings         map[string][]Finding
+}
+
+// open snapshots stream name and starts reading it from its first message. The reader reads
+// headers only; ctx ending stops it.
+func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string, t *subjects.Template, malformed string) (*reader, error) {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return nil, fmt.Errorf("audit: opening stream %s: %w", name, err)
+	}
+	st := s.CachedInfo().State
+	cons, err := js.OrderedConsumer(ctx, name, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		HeadersOnly:   true,
+		// The server removes the consumer this long after a reader that could not delete it
+		// (stop) went away.
+		InactiveThreshold: 30 * time.Second,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("audit: creating a consumer on stream %s: %w", name, err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(pullBatch))
+	if err != nil {
+		return nil, fmt.Errorf("audit: reading stream %s: %w", name, err)
+	}
+	return &reader{
+		a:         a,
+		name:      name,
+		js:        js,
+		cons:      cons,
+		it:        it,
+		stopAfter: context.AfterFunc(ctx, it.Stop),
+		startLast: st.LastSeq,
+		startMsgs: st.Msgs,
+		subj:      newDevParser(t),
+		malformed: malformed,
+		dev:       make(map[string]int32),
+		epochs:    make([]uint64, a.cfg.Layout.Partitions),
+		counts:    make(map[string]uint64),
+		findings:  make(map[string][]Finding),
+	}, nil
+}
+
+// stop ends the reading and deletes the consumer: a stopped iterator's last pull request would
+// otherwise keep the server delivering to nobody, slowing the next audit. The iterator's
+// goroutines exit on their own once it has unsubscribed.
+func (r *reader) stop() {
+	r.stopAfter()
+	r.it.Stop()
+	if ci := r.cons.CachedInfo(); ci != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = r.js.DeleteConsumer(ctx, r.name, ci.Name) // best effort: InactiveThreshold is the fallback
+	}
+}
+
+// catchUp reads up to the stream's last sequence when it was opened, or to its current end if
+// that comes first (the last messages were deleted meanwhile).
+func (r *reader) catchUp(ctx context.Context) error {
+	if r.startMsgs == 0 {
+		return nil
+	}
+	for {
+		m, err := r.it.Next()
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
+		}
+		sseq, pending := r.handle(m)
+		if sseq >= r.startLast || pending == 0 {
+			return nil
+		}
+	}
+}
+
+// follow reads whatever arrives until wctx ends; the iterator is stopped then.
+func (r *reader) follow(wctx context.Context) error {
+	defer context.AfterFunc(wctx, r.it.Stop)()
+	for {
+		m, err := r.it.Next()
+		if err != nil {
+			if wctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
+		}
+		r.handle(m)
+	}
+}
+
+// handle checks one message and returns its stream sequence and the messages pending after it.
+// It does not allocate unless it records a finding or a new device.
+func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
+	sseq, pending, ok := parseReply(m.Reply())
+	if !ok {
+		if md, err := m.Metadata(); err == nil {
+			sseq, pending = md.Sequence.Stream, md.NumPending
+		}
+	}
+	r.read++
+	if r.a.cfg.Progress != nil {
+		if r.unreported++; r.unreported == progressEvery {
+			r.a.progress(r.unreported, false)
+			r.unreported = 0
+		}
+	}
+	hdr := m.Headers()
+	subject := m.Subject()
+	var device string
+	if subject != r.malformed {
+		device = r.subj.device(subject)
+	}
+	id := hdr.Get(nats.MsgIdHdr)
+	seq, ok := parseID(id, r.a.idPrefix)
+	if !ok {
+		if r.note(KindForeign) {
+			detail := "no Nats-Msg-Id header"
+			if id != "" {
+				detail = fmt.Sprintf("Nats-Msg-Id %q does not have the form %s<sequence>", id, r.a.idPrefix)
+			}
+			r.add(Finding{Kind: KindForeign, Device: device, StreamSeq: sseq, Detail: detail + " (subject " + subject + ")"})
+		}
+		return sseq, pending
+	}
+	inRange, dup := r.a.mark(seq)
+	if !inRange {
+		r.outOfRange++
+	}
+	if device != "" {
+		i, known := r.dev[device]
+		switch {
+		case !known:
+			r.dev[strings.Clone(device)] = int32(len(r.last))
+			r.last = append(r.last, seq)
+		case seq > r.last[i]:
+			r.last[i] = seq
+		case dup:
+			// Reported as a duplicate below; a replayed copy is not also a reorder.
+		case seq == r.last[i]:
+			dup = true // outside the audited range, but the same sequence twice in a row
+		default:
+			if r.note(KindReorder) {
+				r.add(Finding{Kind: KindReorder, Device: device, Seq: seq, StreamSeq: sseq,
+					Detail: fmt.Sprintf("%s:%d stored after %s:%d of the same device", r.a.cfg.Incoming, seq, r.a.cfg.Incoming, r.last[i])})
+			}
+		}
+	}
+	if dup {
+		if r.note(KindDuplicate) {
+			r.add(Finding{Kind: KindDuplicate, Device: device, Seq: seq, StreamSeq: sseq,
+				Detail: fmt.Sprintf("%s:%d stored again (subject %s)", r.a.cfg.Incoming, seq, subject)})
+		}
+	}
+	if ps := hdr.Get(lanes.HeaderPartition); ps != "" {
+		p, okP := parseUint(ps)
+		e, okE := parseUint(hdr.Get(lanes.HeaderEpoch))
+		if okP && okE && p < uint64(len(r.epochs)) {
+			if prev := r.epochs[p]; e < prev {
+				if r.note(KindStaleEpoch) {
+					r.add(Finding{Kind: KindStaleEpoch, Device: device, Seq: seq, StreamSeq: sseq,
+						Detail: fmt.Sprintf("partition %d epoch %d stored after epoch %d: a deposed owner's write", p, e, prev)})
+				}
+			} else {
+				r.epochs[p] = e
+			}
+		}
+	}
+	return sseq, pending
+}
+
+// note counts a finding of kind and reports whether to keep it as an example (then the caller
+// builds it and calls add): past MaxFindings nothing is formatted.
+func (r *reader) note(kind string) bool {
+	r.counts[kind]++
+	return len(r.findings[kind]) < r.a.cfg.MaxFindings
+}
+
+func (r *reader) add(f Finding) {
+	f.Stream = r.name
+	r.findings[f.Kind] = append(r.findings[f.Kind], f)
+}
+
+// devices returns the number of devices r saw that other (if not nil) did not.
+func (r *reader) devices(other *reader) int {
+	if other == nil {
+		return len(r.dev)
+	}
+	n := 0
+	for d := range r.dev {
+		if _, ok := other.dev[d]; !ok {
+			n++
+		}
+	}
+	return n
+}

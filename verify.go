@@ -1,0 +1,173 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/urfave/cli/v2"
+
+	"github.com/kvmapper/kvmapper/audit"
+)
+
+func verifyCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "verify",
+		Usage: "audit OUTGOING and UNMAPPED against INCOMING: order, duplicates, gaps",
+		Description: "Reads OUTGOING and UNMAPPED completely (headers only) and checks them against the range INCOMING\n" +
+			"holds when it starts: every INCOMING message is in exactly one of them (no gap, no duplicate), each\n" +
+			"device's messages are in INCOMING order within each stream, and no partition's epoch goes back\n" +
+			"(a deposed owner's write). Exits 0 when all holds, 1 with a report when not. Messages another\n" +
+			"publisher wrote (no kvmapper Nats-Msg-Id) are reported as foreign but do not fail the audit.\n\n" +
+			"   Against a mapper still catching up:  kvmapper verify --wait 30s",
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
+			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON", EnvVars: env("JSON")},
+			&cli.DurationFlag{Name: "wait", Usage: "when messages are missing, keep reading the outputs this long for them to arrive", EnvVars: env("WAIT")},
+			&cli.IntFlag{Name: "max-findings", Value: 20, Usage: "examples shown per kind of problem", EnvVars: env("MAX_FINDINGS")},
+		}),
+		Action: verifyAction,
+	}
+}
+
+func verifyAction(c *cli.Context) error {
+	lay, err := layout(c)
+	if err != nil {
+		return err
+	}
+	scfg, err := setupConfig(c, lay)
+	if err != nil {
+		return err
+	}
+	log, err := logger(c, c.App.ErrWriter)
+	if err != nil {
+		return err
+	}
+	wait := c.Duration("wait")
+	if wait < 0 {
+		return usagef("invalid value %v for flag --wait: must not be negative", wait)
+	}
+	maxFindings := c.Int("max-findings")
+	if maxFindings < 0 {
+		return usagef("invalid value %d for flag --max-findings: must not be negative", maxFindings)
+	}
+	if maxFindings == 0 {
+		maxFindings = -1 // audit.Config: zero means the default, negative none
+	}
+
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	nc, err := connect(c, c.String("server"), "kvmapper verify", log)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	var lastLog time.Time
+	rep, err := audit.Run(ctx, js, audit.Config{
+		Layout:      lay,
+		Incoming:    scfg.Incoming,
+		Outgoing:    scfg.Outgoing,
+		Unmapped:    scfg.Unmapped,
+		Wait:        wait,
+		MaxFindings: maxFindings,
+		Progress: func(read uint64) {
+			if time.Since(lastLog) >= 2*time.Second {
+				lastLog = time.Now()
+				log.Info().Uint64("read", read).Msg("reading outputs")
+			}
+		},
+	})
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("verify: %w (wrong server or stream names? kvmapper setup creates the streams)", err)
+	}
+	if err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	if c.Bool("json") {
+		err = printJSON(c.App.Writer, rep)
+	} else {
+		printReport(c.App.Writer, rep, scfg.Incoming, scfg.Outgoing, scfg.Unmapped)
+	}
+	if err != nil {
+		return err
+	}
+	if !rep.OK() {
+		return cli.Exit("", 1)
+	}
+	return nil
+}
+
+func rate(rep *audit.Report) float64 {
+	if s := rep.Elapsed.Seconds(); s > 0 {
+		return float64(rep.Outgoing+rep.Unmapped) / s
+	}
+	return 0
+}
+
+func printJSON(w io.Writer, rep *audit.Report) error {
+	if rep.Findings == nil {
+		rep.Findings = []audit.Finding{}
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(struct {
+		OK bool `json:"ok"`
+		*audit.Report
+		Seconds    float64 `json:"seconds"`
+		MsgsPerSec float64 `json:"msgs_per_sec"`
+	}{rep.OK(), rep, rep.Elapsed.Seconds(), rate(rep)})
+}
+
+func printReport(w io.Writer, rep *audit.Report, in, out, unm string) {
+	speed := fmt.Sprintf("read %d messages in %v (%.0f msgs/s)", rep.Outgoing+rep.Unmapped, rep.Elapsed.Round(time.Millisecond), rate(rep))
+	var extra string
+	if rep.Foreign > 0 {
+		extra += fmt.Sprintf(" %d foreign messages (no %s:<seq> Nats-Msg-Id) were not judged.", rep.Foreign, in)
+	}
+	if rep.OutOfRange > 0 {
+		extra += fmt.Sprintf(" %d messages name sequences outside %s's range and were checked for order only.", rep.OutOfRange, in)
+	}
+	if rep.OK() {
+		fmt.Fprintf(w, "OK: all %d %s messages (seq %d..%d) are in %s (%d) or %s (%d), once each; %s, "+
+			"each in order; no stale epoch; %s.%s\n",
+			rep.Incoming, in, rep.IncomingFirst, rep.IncomingLast, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
+		return
+	}
+	fmt.Fprintf(w, "FAILED: %s seq %d..%d (%d messages) against %s (%d read) and %s (%d read), %s; %s.%s\n",
+		in, rep.IncomingFirst, rep.IncomingLast, rep.Incoming, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
+	for _, k := range []struct {
+		name string
+		n    uint64
+	}{
+		{audit.KindMissing, rep.Missing}, {audit.KindDuplicate, rep.Duplicates}, {audit.KindReorder, rep.Reorders},
+		{audit.KindStaleEpoch, rep.StaleEpochs}, {audit.KindForeign, rep.Foreign},
+	} {
+		fmt.Fprintf(w, "  %-12s %d\n", k.name, k.n)
+	}
+	if len(rep.Findings) > 0 {
+		fmt.Fprintln(w, "examples:")
+	}
+	for _, f := range rep.Findings {
+		dev := f.Device
+		if dev == "" {
+			dev = "-"
+		}
+		fmt.Fprintf(w, "  %-12s %s #%d device %s: %s\n", f.Kind, f.Stream, f.StreamSeq, dev, f.Detail)
+	}
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
