@@ -36,42 +36,6 @@ func parseID(id, prefix string) (uint64, bool) {
 	return seq, ok && seq > 0
 }
 
-// parseReply returns the stream sequence and the pending count from a JetStream ack subject,
-// without allocating (jetstream.Msg.Metadata allocates). The two forms:
-//
-//	$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<tm>.<pending>
-//	$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<tm>.<pending>[.<token>…]
-func parseReply(reply string) (sseq, pending uint64, ok bool) {
-	const pre = "$JS.ACK."
-	if !strings.HasPrefix(reply, pre) {
-		return 0, 0, false
-	}
-	var seqAt, pendAt int
-	switch n := strings.Count(reply, ".") + 1; {
-	case n == 9:
-		seqAt, pendAt = 5, 8
-	case n >= 11:
-		seqAt, pendAt = 7, 10
-	default:
-		return 0, 0, false
-	}
-	okS, okP := false, false
-	rest := reply
-	for i := 0; i <= pendAt; i++ {
-		tok := rest
-		if j := strings.IndexByte(rest, '.'); j >= 0 {
-			tok, rest = rest[:j], rest[j+1:]
-		}
-		switch i {
-		case seqAt:
-			sseq, okS = parseUint(tok)
-		case pendAt:
-			pending, okP = parseUint(tok)
-		}
-	}
-	return sseq, pending, okS && okP
-}
-
 // devParser finds the {device} token of subjects of one template without allocating.
 type devParser struct {
 	toks []string // the template's tokens; placeholders as "{name}"

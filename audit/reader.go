@@ -135,7 +135,7 @@ func (r *reader) follow(wctx context.Context) error {
 // handle checks one message and returns its stream sequence and the messages pending after it.
 // It does not allocate unless it records a finding or a new device.
 func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
-	sseq, pending, ok := parseReply(m.Reply())
+	sseq, pending, ok := subjects.ParseAckReply(m.Reply())
 	if !ok {
 		if md, err := m.Metadata(); err == nil {
 			sseq, pending = md.Sequence.Stream, md.NumPending

@@ -4,11 +4,12 @@ import (
 	"context"
 	"errors"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // read consumes the lane's partition from INCOMING in stream order, starting at sequence next,
@@ -61,7 +62,7 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 			}
 			return err
 		}
-		seq, pending, ok := replyInfo(m.Reply())
+		seq, pending, ok := subjects.ParseAckReply(m.Reply())
 		if !ok {
 			return errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply()))
 		}
@@ -73,37 +74,4 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 			return nil
 		}
 	}
-}
-
-// replyInfo reads the stream sequence and the consumer's pending count from a JetStream reply
-// subject without allocating: "$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending>",
-// or, in the newer form of 12 tokens, with domain and account hash after "$JS.ACK." and a random
-// token at the end.
-func replyInfo(reply string) (seq, pending uint64, ok bool) {
-	if !strings.HasPrefix(reply, "$JS.ACK.") {
-		return 0, 0, false
-	}
-	var seqAt, pendingAt int
-	switch n := strings.Count(reply, ".") + 1; {
-	case n == 9:
-		seqAt, pendingAt = 5, 8
-	case n >= 11:
-		seqAt, pendingAt = 7, 10
-	default:
-		return 0, 0, false
-	}
-	var err1, err2 error
-	for i := 0; i <= pendingAt; i++ {
-		tok := reply
-		if j := strings.IndexByte(reply, '.'); j >= 0 {
-			tok, reply = reply[:j], reply[j+1:]
-		}
-		switch i {
-		case seqAt:
-			seq, err1 = strconv.ParseUint(tok, 10, 64)
-		case pendingAt:
-			pending, err2 = strconv.ParseUint(tok, 10, 64)
-		}
-	}
-	return seq, pending, err1 == nil && err2 == nil
 }
