@@ -45,7 +45,7 @@ func (g *groups) lookup(device string) (string, uint64, string) {
 }
 
 type fixture struct {
-	t      *testing.T
+	t      testing.TB
 	srv    *natstest.Server
 	nc     *nats.Conn
 	js     jetstream.JetStream
@@ -54,7 +54,7 @@ type fixture struct {
 	groups *groups
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t testing.TB) *fixture {
 	t.Helper()
 	srv := natstest.Start(t)
 	f := &fixture{t: t, srv: srv, groups: &groups{m: map[string]string{}}}

@@ -23,15 +23,14 @@ type entry struct {
 	msg    *nats.Msg     // what is published (OUTGOING or UNMAPPED)
 	reason string        // non-empty when msg is a dead letter
 	gen    uint64        // connection generation (reconnect count) when last sent
+	sent   time.Time     // when last sent, for the acknowledgement timeout
 
-	fut  jetstream.PubAckFuture
-	okc  <-chan *jetstream.PubAck
-	errc <-chan error
-	ack  *jetstream.PubAck // set once acknowledged
-	err  error             // set once failed; cleared when resent
+	acked     bool  // the stream stored it (or had it already)
+	duplicate bool  // the stream said it had it already
+	err       error // set once failed; cleared when resent
 }
 
-func (e *entry) settled() bool { return e.ack != nil || e.err != nil }
+func (e *entry) settled() bool { return e.acked || e.err != nil }
 
 // laneStats are what a lane shows of itself to other goroutines.
 type laneStats struct {
@@ -62,6 +61,9 @@ type lane struct {
 	q       []*entry // in flight, in stream order
 	failed  bool     // some entry failed: resend before sending anything new
 	backoff time.Duration
+
+	acks  chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
+	inbox string         // "<inbox>.": a reply subject is inbox + sequence
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
@@ -101,6 +103,11 @@ func (l *lane) run(ctx context.Context) error {
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
 	defer l.p.unregister(l)
+	unsubscribe, err := l.subscribeAcks()
+	if err != nil {
+		return err
+	}
+	defer unsubscribe()
 	l.log.Debug().Uint64("from", start+1).Msg("lane started")
 
 	readCtx, stopReading := context.WithCancel(ctx)
@@ -139,11 +146,6 @@ func (l *lane) run(ctx context.Context) error {
 		} else {
 			semc = l.p.sem
 		}
-		var okc <-chan *jetstream.PubAck
-		var errc <-chan error
-		if len(l.q) > 0 {
-			okc, errc = l.q[0].okc, l.q[0].errc
-		}
 		select {
 		case <-ctx.Done():
 			stopReading()
@@ -152,20 +154,18 @@ func (l *lane) run(ctx context.Context) error {
 			held = &d
 		case semc <- struct{}{}:
 			if len(l.q) > 0 && l.q[0].gen != l.p.generation() {
-				// The connection was replaced while these were in flight: their futures are
-				// failing now. Sending on the new connection first would reorder.
+				// The connection was replaced while these were in flight: their
+				// acknowledgements are lost. Sending on the new connection first would reorder.
 				<-l.p.sem
-				l.failed = true
+				l.expire(time.Now())
 				continue
 			}
 			l.push(l.prepare(*held))
 			held = nil
-		case ack := <-okc:
-			l.q[0].ack = ack
-		case err := <-errc:
-			l.q[0].err = err
-			l.failed = true
-		case <-tick.C:
+		case m := <-l.acks:
+			l.acknowledge(m)
+		case now := <-tick.C:
+			l.expire(now)
 			if err := l.checkpoint(ctx); err != nil {
 				stopReading()
 				return l.stop(err)
@@ -181,26 +181,9 @@ func (l *lane) push(e *entry) {
 	l.stats.inFlight.Store(int64(len(l.q)))
 }
 
-// send publishes e asynchronously. A failure to even send marks e failed.
-func (l *lane) send(e *entry) {
-	e.ack, e.err = nil, nil
-	e.gen = l.p.generation()
-	fut, err := l.p.pub.PublishMsgAsync(e.msg, noRetry...)
-	if err != nil {
-		e.err = err
-		l.failed = true
-		return
-	}
-	e.fut, e.okc, e.errc = fut, fut.Ok(), fut.Err()
-}
-
-// noRetry turns off nats.go's own resend on "no responders": it fires on a timer, out of order
-// with the lane's resends, and could store a later message before an earlier one.
-var noRetry = []jetstream.PublishOpt{jetstream.WithRetryAttempts(0)}
-
 // popSettled removes acknowledged entries from the head of the queue and advances the prefix.
 func (l *lane) popSettled() {
-	for len(l.q) > 0 && l.q[0].ack != nil {
+	for len(l.q) > 0 && l.q[0].acked {
 		e := l.q[0]
 		l.q[0] = nil
 		l.q = l.q[1:]
@@ -209,7 +192,7 @@ func (l *lane) popSettled() {
 		l.stats.acked.Store(e.seq)
 		l.stats.inFlight.Store(int64(len(l.q)))
 		switch {
-		case e.ack.Duplicate:
+		case e.duplicate:
 			l.p.duplicates.Add(1)
 		case e.reason != "":
 			l.p.countUnmapped(e.reason)
@@ -225,16 +208,8 @@ func (l *lane) popSettled() {
 // duplicates of their Nats-Msg-Id; the others are stored now, in order. A message OUTGOING
 // refuses for good (too large, not allowed) is dead-lettered instead.
 func (l *lane) recover(ctx context.Context) error {
-	for _, e := range l.q {
-		if e.settled() {
-			continue
-		}
-		select {
-		case e.ack = <-e.okc:
-		case e.err = <-e.errc:
-		case <-ctx.Done():
-			return nil
-		}
+	if err := l.settle(ctx); err != nil {
+		return nil // ctx is done: the caller stops the lane
 	}
 	l.popSettled()
 	var first error
@@ -267,7 +242,7 @@ func (l *lane) recover(ctx context.Context) error {
 	}
 	l.failed = false
 	for _, e := range l.q {
-		if e.ack != nil {
+		if e.acked {
 			continue
 		}
 		if !l.valid() {
@@ -311,11 +286,8 @@ func (l *lane) stop(why error) error {
 			}
 			continue
 		}
-		select {
-		case h.ack = <-h.okc:
-		case h.err = <-h.errc:
-			l.failed = true
-		case <-ctx.Done():
+		if err := l.wait(ctx); err != nil {
+			break
 		}
 	}
 	l.popSettled()

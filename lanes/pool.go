@@ -115,7 +115,6 @@ type Stats struct {
 // Its methods are safe for concurrent use.
 type Pool struct {
 	js     jetstream.JetStream // consumers
-	pub    jetstream.JetStream // publishes, with an ack timeout
 	nc     *nats.Conn
 	ctl    jetstream.KeyValue
 	lookup LookupFunc
@@ -136,8 +135,8 @@ type Pool struct {
 	warnSkip map[string]int
 }
 
-// New returns a pool that consumes with js, writes checkpoints to the control bucket ctl and
-// maps devices with lookup. The connection js was made on should use
+// New returns a pool that consumes and publishes with js, writes checkpoints to the control
+// bucket ctl and maps devices with lookup. The connection js was made on should use
 // nats.ReconnectBufSize(-1), so that nothing published while reconnecting is sent behind a
 // message that failed: the pool relies on it to keep order across reconnects.
 func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg Config) (*Pool, error) {
@@ -147,27 +146,8 @@ func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg 
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	// Publishes get their own JetStream context: the ack timeout is a context option, and the
-	// caller's context may be shared with others that want none.
-	o := js.Options()
-	var opts []jetstream.JetStreamOpt
-	opts = append(opts, jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout), jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+1))
-	var pub jetstream.JetStream
-	var err error
-	switch {
-	case o.Domain != "":
-		pub, err = jetstream.NewWithDomain(js.Conn(), o.Domain, opts...)
-	case o.APIPrefix != "":
-		pub, err = jetstream.NewWithAPIPrefix(js.Conn(), o.APIPrefix, opts...)
-	default:
-		pub, err = jetstream.New(js.Conn(), opts...)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("lanes: publishing context: %w", err)
-	}
 	return &Pool{
 		js:       js,
-		pub:      pub,
 		nc:       js.Conn(),
 		ctl:      ctl,
 		lookup:   lookup,

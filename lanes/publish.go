@@ -1,0 +1,184 @@
+package lanes
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// A lane publishes with nats.Conn.PublishMsg and a reply subject on its own inbox, and reads the
+// stream's acknowledgements from that inbox on its own goroutine: the reply subject ends with the
+// INCOMING sequence, so each acknowledgement finds its entry. This replaces nats.go's
+// PublishMsgAsync, whose futures cost two channels, a timer and a JSON decode per message, and
+// whose own resend on "no responders" fires on a timer, out of order with the lane's resends.
+
+var (
+	// errAckTimeout marks a publish whose acknowledgement did not come within PublishTimeout.
+	errAckTimeout = errors.New("lanes: no acknowledgement within the publish timeout")
+	// errNoStream marks a publish no stream took: OUTGOING or UNMAPPED does not exist.
+	errNoStream = errors.New("lanes: no stream captures the subject (does OUTGOING/UNMAPPED exist? run kvmapper setup)")
+	// errBadAck marks an acknowledgement the lane cannot read.
+	errBadAck = errors.New("lanes: unreadable acknowledgement")
+)
+
+// subscribeAcks subscribes the lane's inbox. The channel holds twice the pool's in-flight bound:
+// an entry can have two acknowledgements coming (a late one and its resend's), and a full
+// channel would make nats.go drop acknowledgements as a slow consumer.
+func (l *lane) subscribeAcks() (func(), error) {
+	l.inbox = l.p.nc.NewInbox() + "."
+	l.acks = make(chan *nats.Msg, 2*l.p.cfg.MaxInFlight+64)
+	sub, err := l.p.nc.ChanSubscribe(l.inbox+"*", l.acks)
+	if err != nil {
+		return nil, fmt.Errorf("lanes: subscribing to acknowledgements: %w", err)
+	}
+	return func() { _ = sub.Unsubscribe() }, nil
+}
+
+// send publishes e. A failure to even send (disconnected, too large for the connection) marks
+// e failed.
+func (l *lane) send(e *entry) {
+	e.acked, e.duplicate, e.err = false, false, nil
+	e.gen = l.p.generation()
+	e.sent = time.Now()
+	e.msg.Reply = l.inbox + strconv.FormatUint(e.seq, 10)
+	if err := l.p.nc.PublishMsg(e.msg); err != nil {
+		e.err = err
+		l.failed = true
+	}
+}
+
+// acknowledge applies one acknowledgement to its entry. Late acknowledgements, for entries
+// already settled or gone, change nothing: an entry is resent only after it failed, and a late
+// "stored" for it would mean the resend is a duplicate anyway.
+func (l *lane) acknowledge(m *nats.Msg) {
+	seq, err := strconv.ParseUint(m.Subject[strings.LastIndexByte(m.Subject, '.')+1:], 10, 64)
+	if err != nil {
+		return
+	}
+	e := l.find(seq)
+	if e == nil || e.settled() {
+		return
+	}
+	e.duplicate, e.err = parseAck(m)
+	if e.err != nil {
+		l.failed = true
+		return
+	}
+	e.acked = true
+}
+
+// find returns the in-flight entry of INCOMING sequence seq, or nil. Acknowledgements come in
+// order, so it is nearly always the head.
+func (l *lane) find(seq uint64) *entry {
+	if len(l.q) == 0 {
+		return nil
+	}
+	if l.q[0].seq == seq {
+		return l.q[0]
+	}
+	i, lo, hi := 0, 0, len(l.q)
+	for lo < hi {
+		i = int(uint(lo+hi) >> 1)
+		switch {
+		case l.q[i].seq < seq:
+			lo = i + 1
+		case l.q[i].seq > seq:
+			hi = i
+		default:
+			return l.q[i]
+		}
+	}
+	return nil
+}
+
+// expire fails the entries whose acknowledgement cannot come any more: those sent on a
+// connection that has since been replaced, and those older than PublishTimeout.
+func (l *lane) expire(now time.Time) {
+	gen := l.p.generation()
+	for _, e := range l.q {
+		switch {
+		case e.settled():
+		case e.gen != gen:
+			e.err = nats.ErrDisconnected
+			l.failed = true
+		case now.Sub(e.sent) > l.p.cfg.PublishTimeout:
+			e.err = errAckTimeout
+			l.failed = true
+		}
+	}
+}
+
+// settle waits until every in-flight entry is acknowledged or failed. It returns ctx's error if
+// ctx ends first.
+func (l *lane) settle(ctx context.Context) error {
+	for {
+		l.expire(time.Now())
+		unsettled := false
+		for _, e := range l.q {
+			if !e.settled() {
+				unsettled = true
+				break
+			}
+		}
+		if !unsettled {
+			return nil
+		}
+		if err := l.wait(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+// wait waits for one acknowledgement or for the next expiry check, whichever comes first.
+func (l *lane) wait(ctx context.Context) error {
+	t := time.NewTimer(min(l.p.cfg.PublishTimeout/4, 100*time.Millisecond))
+	defer t.Stop()
+	select {
+	case m := <-l.acks:
+		l.acknowledge(m)
+	case now := <-t.C:
+		l.expire(now)
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+var (
+	ackError     = []byte(`"error"`)
+	ackDuplicate = []byte(`"duplicate":true`)
+	ackSeq       = []byte(`"seq"`)
+)
+
+// parseAck reads a JetStream publish acknowledgement without decoding JSON on the happy path:
+// {"stream":"OUTGOING","seq":12} or with "duplicate":true. An error answer is decoded into the
+// server's *jetstream.APIError; a "no responders" status means no stream captures the subject.
+func parseAck(m *nats.Msg) (duplicate bool, err error) {
+	if len(m.Data) == 0 {
+		if m.Header.Get("Status") == "503" {
+			return false, errNoStream
+		}
+		return false, errBadAck
+	}
+	if bytes.Contains(m.Data, ackError) {
+		var r struct {
+			Error *jetstream.APIError `json:"error"`
+		}
+		if json.Unmarshal(m.Data, &r) != nil || r.Error == nil {
+			return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+		}
+		return false, r.Error
+	}
+	if !bytes.Contains(m.Data, ackSeq) {
+		return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+	}
+	return bytes.Contains(m.Data, ackDuplicate), nil
+}
