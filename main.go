@@ -51,7 +51,7 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	switch {
 	case errors.As(err, &ue):
 		// The flag package names flags with one dash; kvmapper's help shows two.
-		msg := strings.NewReplacer("flag -", "flag --", "defined: -", "defined: --").Replace(ue.err.Error())
+		msg := strings.NewReplacer("flag --", "flag --", "defined: --", "defined: --", "flag -", "flag --", "defined: -", "defined: --").Replace(ue.err.Error())
 		fmt.Fprintf(stderr, "kvmapper: %s (see kvmapper %s --help)\n", msg, commandName(args))
 		return 2
 	case errors.As(err, &ee):
@@ -93,6 +93,7 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 			runCommand(),
 			setupCommand(),
 			verifyCommand(),
+			statusCommand(),
 		},
 	}
 	for _, c := range app.Commands {

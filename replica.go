@@ -4,8 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
@@ -13,7 +18,9 @@ import (
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/metrics"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/status"
 )
 
 // replicaConfig is everything one replica needs besides its connection.
@@ -21,16 +28,37 @@ type replicaConfig struct {
 	ID       string
 	Setup    setup.Config
 	Lanes    lanes.Config    // Layout and Incoming are required; Logger is set from Logger
-	Election election.Config // ReplicaID, Partitions and Logger are set from the rest
+	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
 	Logger   zerolog.Logger
+
+	// MetricsListen is the host:port of the /metrics, /healthz and /readyz server; "" means none.
+	// Port 0 picks a free port; the address is logged ("metrics listening").
+	MetricsListen string
+	// EventsSubject is where this replica publishes its ownership changes; "" means nowhere.
+	EventsSubject string
+	// Host names the machine in status reports; default os.Hostname.
+	Host string
 }
 
 // replica wires the components of one kvmapper replica: the groups table (kv), the lanes and the
 // elector that hands partitions to the lanes.
 type replica struct {
+	id      string
+	log     zerolog.Logger
+	nc      *nats.Conn
+	groups  jetstream.KeyValue
+	control jetstream.KeyValue
 	table   *kv.Table
 	pool    *lanes.Pool
 	elector *election.Elector
+
+	// Observation: metrics always (cheap; served only with MetricsListen), the micro status
+	// service always, events when EventsSubject is set.
+	metrics       *metrics.Metrics
+	service       *status.Service
+	events        *status.Events // nil when disabled
+	metricsListen string
+	stopping      atomic.Bool // set when Run's context ends, for /readyz
 }
 
 // newReplica runs setup, opens the buckets and builds the components.
@@ -53,7 +81,15 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
-	table, err := kv.New(groups, kv.Config{Logger: log.With().Str("component", "kv").Logger()})
+	r := &replica{id: cfg.ID, log: log, nc: js.Conn(), groups: groups, control: control, metricsListen: cfg.MetricsListen}
+	table, err := kv.New(groups, kv.Config{
+		Logger: log.With().Str("component", "kv").Logger(),
+		OnUpdate: func(u kv.Update) {
+			if !u.Initial {
+				r.metrics.ObserveTableUpdate(u.Deleted)
+			}
+		},
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -73,6 +109,11 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = lcfg.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
+	if next := ecfg.OnChange; next != nil {
+		ecfg.OnChange = func(c election.Change) { r.observeChange(c); next(c) }
+	} else {
+		ecfg.OnChange = r.observeChange
+	}
 	if ecfg.ReleaseTimeout == 0 {
 		// A releasing lane may wait DrainTimeout for acknowledgements, then write a checkpoint.
 		ecfg.ReleaseTimeout = pool.DrainTimeout() + 10*time.Second
@@ -83,13 +124,30 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 	if err != nil {
 		return nil, asUsage(err, election.ErrInvalidConfig)
 	}
-	return &replica{table: table, pool: pool, elector: elector}, nil
+	r.table, r.pool, r.elector = table, pool, elector
+	if err := r.newObservers(cfg); err != nil {
+		return nil, err
+	}
+	return r, nil
 }
 
 // Run loads the groups table, calls ready once it is loaded, then takes part in the election
 // until ctx is done, when it hands its partitions over. It returns when every component has
 // stopped; nil after a clean stop.
+//
+// The observers (status service, ownership events, metrics server) start first and stop last,
+// so that a replica can be watched while it drains and hands its partitions over; /readyz turns
+// 503 as soon as ctx is done. An observer that fails stops the replica with its error.
 func (r *replica) Run(ctx context.Context, ready func()) error {
+	parent := ctx
+	ctx, fail := context.WithCancelCause(ctx)
+	defer fail(nil)
+	stopObservers, err := r.startObservers(ctx, fail)
+	if err != nil {
+		return err
+	}
+	defer stopObservers()
+
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return r.table.Run(gctx) })
 	g.Go(func() error {
@@ -103,7 +161,10 @@ func (r *replica) Run(ctx context.Context, ready func()) error {
 		}
 		return r.elector.Run(gctx)
 	})
-	err := g.Wait()
+	err = g.Wait()
+	if parent.Err() == nil && ctx.Err() != nil {
+		return context.Cause(ctx) // an observer failed
+	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
 	}
@@ -117,4 +178,187 @@ func asUsage(err, sentinel error) error {
 		return usageError{err}
 	}
 	return err
+}
+
+// newObservers builds the metrics, the status service and the ownership events publisher.
+func (r *replica) newObservers(cfg replicaConfig) error {
+	host := cfg.Host
+	if host == "" {
+		host, _ = os.Hostname()
+	}
+	var err error
+	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
+		Replica: r.id,
+		Version: version,
+		UnmappedReasons: []string{lanes.ReasonNoMapping, lanes.ReasonInvalidGroup, lanes.ReasonMalformedSubject,
+			lanes.ReasonOversized, lanes.ReasonRejected},
+		Ready:  r.readyErr,
+		Logger: r.log.With().Str("component", "metrics").Logger(),
+	})
+	if err != nil {
+		return err
+	}
+	r.service, err = status.NewService(r.nc, r.report, status.ServiceConfig{
+		Replica: r.id,
+		Control: r.control.Bucket(),
+		Host:    host,
+		Version: version,
+		Logger:  r.log.With().Str("component", "status").Logger(),
+	})
+	if err != nil {
+		return err
+	}
+	if cfg.EventsSubject == "" {
+		return nil
+	}
+	r.events, err = status.NewEvents(r.nc, status.EventsConfig{
+		Subject: cfg.EventsSubject,
+		Replica: r.id,
+		ResumeSeq: func(ctx context.Context, p int) (uint64, error) {
+			e, err := r.control.Get(ctx, lanes.CheckpointKey(p))
+			if err != nil {
+				return 0, err
+			}
+			return strconv.ParseUint(string(e.Value()), 10, 64)
+		},
+		Logger: r.log.With().Str("component", "events").Logger(),
+	})
+	return err
+}
+
+// startObservers listens for metrics (so that a taken port fails the start) and starts the
+// observers under a context of their own. The returned func stops them and waits for them;
+// an observer that fails before that calls fail with its error.
+func (r *replica) startObservers(ctx context.Context, fail context.CancelCauseFunc) (stop func(), err error) {
+	var ln net.Listener
+	if r.metricsListen != "" {
+		ln, err = net.Listen("tcp", r.metricsListen)
+		if err != nil {
+			return nil, fmt.Errorf("metrics: listening on %s: %w (is the port taken? see --metrics-listen)", r.metricsListen, err)
+		}
+		r.log.Info().Str("addr", ln.Addr().String()).Msg("metrics listening on http://" + ln.Addr().String() + "/metrics")
+	}
+	stopReady := context.AfterFunc(ctx, func() { r.stopping.Store(true) })
+	octx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	var g errgroup.Group
+	run := func(f func(context.Context) error) {
+		g.Go(func() error {
+			err := f(octx)
+			if err != nil && octx.Err() == nil {
+				fail(err)
+			}
+			return err
+		})
+	}
+	if ln != nil {
+		run(func(ctx context.Context) error { return r.metrics.Serve(ctx, ln) })
+	}
+	run(r.service.Run)
+	if r.events != nil {
+		run(r.events.Run)
+	}
+	return func() {
+		stopReady()
+		cancel()
+		_ = g.Wait() // a failure has been handed to fail already
+	}, nil
+}
+
+// observeChange is election's OnChange: it runs on the election's watch goroutine and must not
+// block. Only changes about this replica count, so that N replicas do not report each change N
+// times: its claims (with the gap before them) and the end of its leases.
+func (r *replica) observeChange(c election.Change) {
+	switch {
+	case c.NewOwner == r.id:
+		r.metrics.ObserveOwnership(metrics.ChangeAcquired, c.Unowned)
+	case c.OldOwner == r.id:
+		r.metrics.ObserveOwnership(metrics.ChangeReleased, 0)
+		if c.NewOwner != "" {
+			return // taken straight over: the new owner publishes the event
+		}
+	default:
+		return
+	}
+	if r.events != nil {
+		r.events.Offer(status.Event{
+			Partition:    c.Partition,
+			OldOwner:     c.OldOwner,
+			NewOwner:     c.NewOwner,
+			Epoch:        c.Epoch,
+			UnownedGapMS: c.Unowned.Milliseconds(),
+			At:           c.At.UTC(),
+		})
+	}
+}
+
+// readyErr says why the replica is not ready, or nil: it must be connected to NATS, have loaded
+// the groups table and not be stopping.
+func (r *replica) readyErr() error {
+	switch {
+	case r.stopping.Load():
+		return errors.New("stopping: handing partitions over")
+	case !r.nc.IsConnected():
+		return fmt.Errorf("not connected to NATS (%s)", r.nc.Status())
+	}
+	select {
+	case <-r.table.Ready():
+		return nil
+	default:
+		return errors.New("groups table not loaded yet")
+	}
+}
+
+// report is the answer of the status endpoint.
+func (r *replica) report() status.Report {
+	st := r.pool.Stats()
+	parts := r.pool.Partitions()
+	rep := status.Report{
+		Ready:      r.readyErr() == nil,
+		Owned:      r.elector.Owned(),
+		Partitions: make([]status.PartitionReport, 0, len(parts)),
+		Counters: status.Counters{
+			Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
+			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+		},
+		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
+	}
+	for _, p := range parts {
+		rep.Partitions = append(rep.Partitions, status.PartitionReport{
+			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint,
+			Pending: p.Pending, InFlight: p.InFlight, Lag: p.Lag(),
+		})
+	}
+	return rep
+}
+
+// metricsSnapshot is the metrics source, read at each scrape. The watch lag costs one request
+// to the server (the groups bucket's status).
+func (r *replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
+	st := r.pool.Stats()
+	s := metrics.Snapshot{
+		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
+		Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+		Owned:         len(r.elector.Owned()),
+		TableDevices:  r.table.Len(),
+		TableRevision: r.table.Revision(),
+		WatchLag:      -1,
+	}
+	for _, p := range r.pool.Partitions() {
+		s.Partitions = append(s.Partitions, metrics.Partition{
+			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint, Lag: p.Lag(),
+		})
+	}
+	if r.events != nil {
+		s.EventsPublished, s.EventsDropped = r.events.Published(), r.events.Dropped()
+	}
+	if bs, err := r.groups.Status(ctx); err == nil {
+		if kvs, ok := bs.(*jetstream.KeyValueBucketStatus); ok {
+			if last := kvs.StreamInfo().State.LastSeq; last >= s.TableRevision {
+				s.WatchLag = int64(last - s.TableRevision)
+			} else {
+				s.WatchLag = 0
+			}
+		}
+	}
+	return s
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/status"
 )
 
 func runCommand() *cli.Command {
@@ -43,6 +44,8 @@ func runCommand() *cli.Command {
 			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
 			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes", EnvVars: env("DRAIN_TIMEOUT")},
 			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
+			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
+			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
 		}, layoutFlags(), logFlags()),
 		Action: runAction,
 	}
@@ -128,6 +131,9 @@ func runAction(c *cli.Context) error {
 	if n := c.Int("max-in-flight"); n < 1 || n > 50_000 {
 		return usagef("invalid value %d for flag --max-in-flight: use 1 to 50000 (the server refuses single messages past 100k queued)", n)
 	}
+	if err := publishSubject(c, "events-subject"); err != nil {
+		return err
+	}
 	id := c.String("replica-id")
 	if id == "" {
 		id = defaultReplicaID()
@@ -177,7 +183,9 @@ func runAction(c *cli.Context) error {
 			RenewInterval: c.Duration("renew-interval"),
 			Grace:         c.Duration("grace"),
 		},
-		Logger: log,
+		Logger:        log,
+		MetricsListen: c.String("metrics-listen"),
+		EventsSubject: c.String("events-subject"),
 	})
 	if err != nil {
 		return err
@@ -239,4 +247,18 @@ kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:
 (any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
 
 `, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject())
+}
+
+// publishSubject checks that flag name is empty or a subject one can publish to.
+func publishSubject(c *cli.Context, name string) error {
+	v := c.String(name)
+	if v == "" {
+		return nil
+	}
+	for tok := range strings.SplitSeq(v, ".") {
+		if tok == "" || tok == "*" || tok == ">" || strings.ContainsAny(tok, " \t\r\n") {
+			return usagef("invalid value %q for flag --%s: want a subject without wildcards, such as kvmapper.events.ownership", v, name)
+		}
+	}
+	return nil
 }

@@ -1,0 +1,280 @@
+package status
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// ReadConfig says where [Read] looks. Zero fields mean the defaults given.
+type ReadConfig struct {
+	// Layout gives the partition count and INCOMING's per-partition filter. Required.
+	Layout *subjects.Layout
+	// Incoming, Groups and Control name the stream and buckets. Defaults "INCOMING",
+	// "device-groups" and "kvmapper".
+	Incoming, Groups, Control string
+	// Timeout bounds the wait for the replicas' status replies. Default 1s.
+	Timeout time.Duration
+	// NoStreamLag skips counting lag in INCOMING for partitions whose owner did not report:
+	// the count needs a short-lived consumer per such partition (see [Read]).
+	NoStreamLag bool
+}
+
+func (c *ReadConfig) setDefaults() error {
+	if c.Layout == nil {
+		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	if c.Incoming == "" {
+		c.Incoming = "INCOMING"
+	}
+	if c.Groups == "" {
+		c.Groups = "device-groups"
+	}
+	if c.Control == "" {
+		c.Control = "kvmapper"
+	}
+	if c.Timeout == 0 {
+		c.Timeout = time.Second
+	}
+	if c.Timeout < 0 {
+		return fmt.Errorf("%w: negative timeout", ErrInvalidConfig)
+	}
+	return nil
+}
+
+// Read assembles a snapshot from NATS alone, so it works from any machine that can reach the
+// servers. It reads the control bucket (leases, members, checkpoints), asks every member for its
+// [Report] on [StatusSubject] at once (waiting up to Timeout), and reads the state of INCOMING
+// and the groups bucket. A partition's lag comes from its owner's report; for a partition whose
+// owner did not report (or that has none) it is counted in INCOMING after its checkpoint, by
+// creating an ephemeral consumer filtered on the partition that starts after the checkpoint and
+// reading its pending count (one consumer create and delete per such partition; the server
+// counts from its per-subject index, so this stays cheap with many devices).
+// A member that does not answer is listed with Error set; Read fails only when NATS does.
+func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapshot, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	n := cfg.Layout.Partitions
+	ctl, err := js.KeyValue(ctx, cfg.Control)
+	if err != nil {
+		return nil, fmt.Errorf("status: opening bucket %s: %w", cfg.Control, err)
+	}
+	snap := &Snapshot{Partitions: make([]Partition, n)}
+	for p := range snap.Partitions {
+		snap.Partitions[p].Partition = p
+	}
+	members, err := readControl(ctx, ctl, snap)
+	if err != nil {
+		return nil, err
+	}
+	snap.At = time.Now()
+
+	// Ask the members, and meanwhile read the stream and bucket states.
+	var replies map[string]reply
+	var wg sync.WaitGroup
+	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
+	defer wg.Wait()
+	stream, err := js.Stream(ctx, cfg.Incoming)
+	if err != nil {
+		return nil, fmt.Errorf("status: opening stream %s: %w", cfg.Incoming, err)
+	}
+	si, err := stream.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("status: reading stream %s: %w", cfg.Incoming, err)
+	}
+	snap.Incoming = Stream{Name: cfg.Incoming, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq}
+	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
+		return nil, err
+	}
+
+	wg.Wait()
+	byID := map[string]*Report{}
+	for _, id := range members {
+		r := replies[id]
+		rep := Replica{ID: id, Report: r.report, Leases: []int{}}
+		if r.err != nil {
+			rep.Error = r.err.Error()
+		} else {
+			byID[id] = r.report
+		}
+		snap.Replicas = append(snap.Replicas, rep)
+	}
+	for i := range snap.Partitions {
+		p := &snap.Partitions[i]
+		if p.Owner == "" {
+			continue
+		}
+		for j := range snap.Replicas {
+			if snap.Replicas[j].ID == p.Owner {
+				snap.Replicas[j].Leases = append(snap.Replicas[j].Leases, p.Partition)
+			}
+		}
+		r, ok := byID[p.Owner]
+		if !ok {
+			continue
+		}
+		for _, pr := range r.Partitions {
+			if pr.Partition == p.Partition {
+				p.Epoch, p.Acked, p.Lag, p.LagFrom = pr.Epoch, pr.Acked, pr.Lag, "replica"
+			}
+		}
+	}
+	if !cfg.NoStreamLag {
+		if err := streamLag(ctx, stream, cfg.Layout, snap); err != nil {
+			return nil, err
+		}
+	}
+	return snap, nil
+}
+
+// readControl fills owners and checkpoints from the control bucket and returns the member ids,
+// sorted. It reads the bucket with one watch rather than a Get per key.
+func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([]string, error) {
+	w, err := ctl.WatchAll(ctx, jetstream.IgnoreDeletes())
+	if err != nil {
+		return nil, fmt.Errorf("status: reading bucket %s: %w", ctl.Bucket(), err)
+	}
+	defer func() { _ = w.Stop() }()
+	var members []string
+	n := len(snap.Partitions)
+	for {
+		var e jetstream.KeyValueEntry
+		select {
+		case e = <-w.Updates():
+		case <-ctx.Done():
+			return nil, fmt.Errorf("status: reading bucket %s: %w", ctl.Bucket(), ctx.Err())
+		}
+		if e == nil {
+			break
+		}
+		kind, rest, _ := strings.Cut(e.Key(), ".")
+		if kind == "member" {
+			members = append(members, rest)
+			continue
+		}
+		p, err := strconv.Atoi(rest)
+		if err != nil || p < 0 || p >= n {
+			continue
+		}
+		switch kind {
+		case "lease":
+			snap.Partitions[p].Owner = string(e.Value())
+			snap.Partitions[p].LeaseRevision = e.Revision()
+		case "checkpoint":
+			snap.Partitions[p].Checkpoint, _ = strconv.ParseUint(string(e.Value()), 10, 64)
+		}
+	}
+	slices.Sort(members)
+	return slices.Compact(members), nil
+}
+
+type reply struct {
+	report *Report
+	err    error
+}
+
+// ask requests every member's report at once and returns the replies when all have answered
+// or timed out.
+func ask(ctx context.Context, nc *nats.Conn, cfg ReadConfig, members []string) map[string]reply {
+	chans := make(map[string]chan reply, len(members))
+	var wg sync.WaitGroup
+	for _, id := range members {
+		ch := make(chan reply, 1)
+		chans[id] = ch
+		wg.Go(func() {
+			rctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+			defer cancel()
+			m, err := nc.RequestWithContext(rctx, StatusSubject(cfg.Control, id), nil)
+			if err != nil {
+				if errors.Is(err, nats.ErrNoResponders) {
+					err = errors.New("no status endpoint (replica stopped, or older than this command)")
+				}
+				ch <- reply{err: err}
+				return
+			}
+			var r Report
+			if err := json.Unmarshal(m.Data, &r); err != nil {
+				ch <- reply{err: fmt.Errorf("bad status reply: %w", err)}
+				return
+			}
+			ch <- reply{report: &r}
+		})
+	}
+	wg.Wait()
+	out := make(map[string]reply, len(members))
+	for id, ch := range chans {
+		out[id] = <-ch
+	}
+	return out
+}
+
+func readGroups(ctx context.Context, js jetstream.JetStream, bucket string) (Groups, error) {
+	g := Groups{Bucket: bucket}
+	kv, err := js.KeyValue(ctx, bucket)
+	if err != nil {
+		return g, fmt.Errorf("status: opening bucket %s: %w", bucket, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return g, fmt.Errorf("status: reading bucket %s: %w", bucket, err)
+	}
+	g.Values = st.Values()
+	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+		g.Revision = bs.StreamInfo().State.LastSeq
+	}
+	return g, nil
+}
+
+// streamLag counts, for each partition without a lag from its owner, the messages of the
+// partition in INCOMING after its checkpoint.
+func streamLag(ctx context.Context, stream jetstream.Stream, lay *subjects.Layout, snap *Snapshot) error {
+	for i := range snap.Partitions {
+		p := &snap.Partitions[i]
+		if p.LagFrom != "" {
+			continue
+		}
+		if p.Checkpoint >= snap.Incoming.LastSeq {
+			p.Lag, p.LagFrom = 0, "stream"
+			continue
+		}
+		n, err := pendingAfter(ctx, stream, lay.Filter(p.Partition), p.Checkpoint)
+		if err != nil {
+			return fmt.Errorf("status: counting partition %d in %s: %w", p.Partition, snap.Incoming.Name, err)
+		}
+		p.Lag, p.LagFrom = n, "stream"
+	}
+	return nil
+}
+
+// pendingAfter returns how many messages on filter the stream holds after sequence seq.
+func pendingAfter(ctx context.Context, stream jetstream.Stream, filter string, seq uint64) (uint64, error) {
+	c, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		Description:       "kvmapper status: lag count",
+		FilterSubject:     filter,
+		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:       seq + 1,
+		AckPolicy:         jetstream.AckNonePolicy,
+		MemoryStorage:     true,
+		Replicas:          1,
+		InactiveThreshold: 10 * time.Second,
+	})
+	if err != nil {
+		return 0, err
+	}
+	info := c.CachedInfo()
+	// The consumer also goes away by itself after InactiveThreshold if this delete fails.
+	_ = stream.DeleteConsumer(context.WithoutCancel(ctx), info.Name)
+	return info.NumPending, nil
+}

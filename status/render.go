@@ -1,0 +1,71 @@
+package status
+
+import (
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// WriteText writes the snapshot as three aligned tables: partitions, replicas and the groups
+// bucket with INCOMING. Unknown values show as "-".
+func (s *Snapshot) WriteText(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCHECKPOINT\tLAG\tRATE/S\t")
+	for _, p := range s.Partitions {
+		owner := p.Owner
+		if owner == "" {
+			owner = "(none)"
+		}
+		lag := "-"
+		if p.LagFrom != "" {
+			lag = strconv.FormatUint(p.Lag, 10)
+		}
+		rate := "-"
+		if p.Rate != nil {
+			rate = strconv.FormatFloat(*p.Rate, 'f', 1, 64)
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\t\n", p.Partition, owner, orDash(p.Epoch), p.Checkpoint, lag, rate)
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "REPLICA\tHOST\tVERSION\tUPTIME\tPARTITIONS\tMAPPED\tDEVICES\tTABLE REV\t")
+	for _, r := range s.Replicas {
+		if r.Report == nil {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t%d\t-\t-\t-\t\n", r.ID, len(r.Leases))
+			continue
+		}
+		rp := r.Report
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t\n", r.ID, rp.Host, rp.Version,
+			(time.Duration(rp.UptimeSeconds) * time.Second).String(), len(rp.Owned),
+			rp.Counters.Mapped, rp.Table.Devices, rp.Table.Revision)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range s.Replicas {
+		if r.Error != "" {
+			fmt.Fprintf(w, "replica %s did not report: %s\n", r.ID, r.Error)
+		}
+	}
+	var unowned []string
+	for _, p := range s.Partitions {
+		if p.Owner == "" {
+			unowned = append(unowned, strconv.Itoa(p.Partition))
+		}
+	}
+	if len(unowned) > 0 {
+		fmt.Fprintf(w, "unowned partitions: %s\n", strings.Join(unowned, ", "))
+	}
+	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
+	_, err := fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
+	return err
+}
+
+func orDash(v uint64) string {
+	if v == 0 {
+		return "-"
+	}
+	return strconv.FormatUint(v, 10)
+}

@@ -1,0 +1,94 @@
+package status
+
+import "time"
+
+// Snapshot is the state of a kvmapper deployment at one moment, as [Read] assembles it.
+type Snapshot struct {
+	At         time.Time   `json:"at"`
+	Partitions []Partition `json:"partitions"`
+	Replicas   []Replica   `json:"replicas"`
+	Groups     Groups      `json:"groups"`
+	Incoming   Stream      `json:"incoming"`
+}
+
+// Partition is one partition's owner and progress.
+type Partition struct {
+	Partition int    `json:"partition"`
+	Owner     string `json:"owner"` // value of lease.<p>; "" when unowned
+	// Epoch is the owner's fencing token (lease revision at claim), from the owner's report;
+	// 0 when the owner did not answer. The lease key's revision moves with every renewal, so
+	// the bucket alone does not give it: LeaseRevision is its current revision.
+	Epoch         uint64 `json:"epoch"`
+	LeaseRevision uint64 `json:"lease_revision"`
+	// Checkpoint is checkpoint.<p>: the INCOMING sequence the partition has been republished up to.
+	Checkpoint uint64 `json:"checkpoint"`
+	// Acked is the owner's acknowledged prefix (ahead of Checkpoint by up to one checkpoint
+	// interval); 0 when the owner did not answer.
+	Acked uint64 `json:"acked"`
+	// Lag is how many messages of the partition INCOMING holds past what is acknowledged.
+	Lag uint64 `json:"lag"`
+	// LagFrom says where Lag comes from: "replica" (the owner's report: pending + in flight),
+	// "stream" (INCOMING's count of the partition's messages after Checkpoint) or "" (unknown).
+	LagFrom string `json:"lag_from"`
+	// Rate is messages per second republished, between the previous snapshot and this one;
+	// nil when there was no previous snapshot or the partition moved back.
+	Rate *float64 `json:"rate,omitempty"`
+}
+
+// Replica is one member of the control bucket and what it reported.
+type Replica struct {
+	ID string `json:"id"`
+	// Report is the replica's answer to its status request, nil when it did not answer.
+	Report *Report `json:"report,omitempty"`
+	// Error says why there is no report.
+	Error string `json:"error,omitempty"`
+	// Leases are the partitions whose lease.<p> names this replica.
+	Leases []int `json:"leases"`
+}
+
+// Groups describes the groups bucket.
+type Groups struct {
+	Bucket string `json:"bucket"`
+	// Values is the number of values the bucket holds (devices, plus delete markers not yet
+	// purged).
+	Values uint64 `json:"values"`
+	// Revision is the bucket's last revision.
+	Revision uint64 `json:"revision"`
+}
+
+// Stream describes INCOMING.
+type Stream struct {
+	Name     string `json:"name"`
+	Messages uint64 `json:"messages"`
+	FirstSeq uint64 `json:"first_seq"`
+	LastSeq  uint64 `json:"last_seq"`
+}
+
+// position is how far the partition has got: the owner's acknowledged prefix when known, else
+// its checkpoint.
+func (p *Partition) position() uint64 { return max(p.Acked, p.Checkpoint) }
+
+// SetRates fills each partition's Rate from its progress since prev. A partition whose position
+// went back (a new owner reporting less than the old one acknowledged) gets no rate.
+func (s *Snapshot) SetRates(prev *Snapshot) {
+	if prev == nil {
+		return
+	}
+	dt := s.At.Sub(prev.At).Seconds()
+	if dt <= 0 {
+		return
+	}
+	before := make(map[int]uint64, len(prev.Partitions))
+	for _, p := range prev.Partitions {
+		before[p.Partition] = p.position()
+	}
+	for i := range s.Partitions {
+		p := &s.Partitions[i]
+		b, ok := before[p.Partition]
+		if !ok || p.position() < b {
+			continue
+		}
+		r := float64(p.position()-b) / dt
+		p.Rate = &r
+	}
+}
