@@ -94,6 +94,8 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 			setupCommand(),
 			verifyCommand(),
 			statusCommand(),
+			benchCommand(),
+			serverCommand(),
 		},
 	}
 	for _, c := range app.Commands {

@@ -1,0 +1,164 @@
+package bench_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/bench"
+	"github.com/kvmapper/kvmapper/internal/natstest"
+)
+
+// tiny is a configuration small enough for a test: it checks that every sub-benchmark runs and
+// reports sane figures, not how fast anything is.
+func tiny(url string) bench.Config {
+	return bench.Config{
+		URL:           url,
+		Messages:      2000,
+		NaiveMessages: 500,
+		Devices:       100,
+		Rate:          1000,
+		Duration:      time.Second,
+		Changes:       10,
+		ChangeLoad:    500,
+		TableDevices:  2000,
+		FailoverRate:  500,
+		Replica:       testReplica,
+		Child:         testChild,
+	}
+}
+
+func TestRun(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := bench.Run(ctx, tiny(srv.URL()))
+	if err != nil {
+		t.Fatalf("Run() error = %v", err)
+	}
+
+	tp := rep.Throughput
+	if tp == nil {
+		t.Fatal("Run().Throughput = nil")
+	}
+	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.Naive: 500}
+	if len(tp.Contenders) != len(want) {
+		t.Errorf("%d contenders, want %d", len(tp.Contenders), len(want))
+	}
+	for _, c := range tp.Contenders {
+		if c.Messages != want[c.Name] {
+			t.Errorf("%s: Messages = %d, want %d", c.Name, c.Messages, want[c.Name])
+		}
+		if c.MsgsPerSec <= 0 {
+			t.Errorf("%s: MsgsPerSec = %v, want > 0", c.Name, c.MsgsPerSec)
+		}
+		if c.Name != bench.KVMapper && tp.Ratio[c.Name] <= 0 {
+			t.Errorf("Ratio[%s] = %v, want > 0", c.Name, tp.Ratio[c.Name])
+		}
+	}
+	if tp.AllocsPerMsg <= 0 || tp.BytesPerMsg <= 0 {
+		t.Errorf("AllocsPerMsg, BytesPerMsg = %v, %v; want > 0", tp.AllocsPerMsg, tp.BytesPerMsg)
+	}
+
+	l := rep.Latency
+	if l == nil {
+		t.Fatal("Run().Latency = nil")
+	}
+	for name, r := range map[string]bench.LatencyRun{"direct": l.Direct, "kvmapper": l.KVMapper} {
+		if r.Sent == 0 || r.Received != r.Sent {
+			t.Errorf("%s: Sent, Received = %d, %d; want equal and > 0", name, r.Sent, r.Received)
+		}
+		if q := r.Latency; q.Samples == 0 || q.P50 <= 0 || q.P99 < q.P50 || q.Max < q.P99 {
+			t.Errorf("%s: Latency = %+v, want 0 < p50 ≤ p99 ≤ max", name, q)
+		}
+	}
+
+	m := rep.Mapping
+	if m == nil {
+		t.Fatal("Run().Mapping = nil")
+	}
+	if m.Latency.Samples+m.TimedOut != 10 || m.Latency.Samples == 0 || m.Latency.P50 <= 0 {
+		t.Errorf("Mapping = %+v, want 10 changes timed", m)
+	}
+
+	tb := rep.Table
+	if tb == nil {
+		t.Fatal("Run().Table = nil")
+	}
+	if tb.Devices != 2000 || tb.Ready <= 0 || tb.LookupNs <= 0 {
+		t.Errorf("Table = %+v, want 2000 devices, positive ready time and lookup (bytes per device is noise at this size with the server in the process)", tb)
+	}
+
+	f := rep.Failover
+	if f == nil {
+		t.Fatal("Run().Failover = nil")
+	}
+	if len(f.Gaps) == 0 || f.MaxKillToClaim <= 0 || f.MaxKillToOutput < f.MaxKillToClaim {
+		t.Errorf("Failover = %+v, want gaps with output after the claim", f)
+	}
+	if f.Published == 0 || f.Lost != 0 {
+		t.Errorf("Failover published %d, lost %d; want > 0 and 0", f.Published, f.Lost)
+	}
+
+	var text bytes.Buffer
+	if err := rep.WriteText(&text); err != nil {
+		t.Fatalf("WriteText() error = %v", err)
+	}
+	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", bench.Naive} {
+		if !strings.Contains(text.String(), s) {
+			t.Errorf("WriteText() output lacks %q:\n%s", s, text.String())
+		}
+	}
+	if _, err := json.Marshal(rep); err != nil {
+		t.Errorf("json.Marshal(report) error = %v", err)
+	}
+
+	// The bench removes what it created.
+	_, js := srv.JetStream(t)
+	names := js.StreamNames(ctx)
+	var left []string
+	for n := range names.Name() {
+		left = append(left, n)
+	}
+	if len(left) != 0 {
+		t.Errorf("streams left after Run: %v, want none", left)
+	}
+}
+
+func TestRunRefusesForeignStreams(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "ORDERS", Subjects: []string{"orders.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := tiny(srv.URL())
+	cfg.Only = []string{bench.TableScale}
+	if _, err := bench.Run(ctx, cfg); !errors.Is(err, bench.ErrForeignStreams) {
+		t.Errorf("Run() error = %v, want ErrForeignStreams", err)
+	}
+}
+
+func TestRunInvalidConfig(t *testing.T) {
+	for name, mod := range map[string]func(*bench.Config){
+		"no url":          func(c *bench.Config) { c.URL = "" },
+		"unknown only":    func(c *bench.Config) { c.Only = []string{"speed"} },
+		"small payload":   func(c *bench.Config) { c.Payload = 4 },
+		"no replica func": func(c *bench.Config) { c.Replica = nil },
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := tiny("nats://127.0.0.1:1")
+			mod(&cfg)
+			if _, err := bench.Run(context.Background(), cfg); !errors.Is(err, bench.ErrInvalidConfig) {
+				t.Errorf("Run() error = %v, want ErrInvalidConfig", err)
+			}
+		})
+	}
+}

@@ -1,0 +1,91 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"text/tabwriter"
+)
+
+// Targets are the figures kvmapper aims for; the report marks each as met or missed.
+var Targets = struct {
+	RatioCopy, RatioTransform, RatioNaive float64
+	AddedP50, AddedP99, ChangeP99         Millis
+	ReadySeconds                          Seconds
+	BytesPerDevice, LookupNs              float64
+}{0.8, 2, 15, 0.3, 2, 10, 5, 150, 100}
+
+func mark(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "MISSED"
+}
+
+// WriteText writes r as tables for a terminal.
+func (r *Report) WriteText(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	p := func(format string, a ...any) { fmt.Fprintf(tw, format+"\n", a...) }
+	m := r.Machine
+	p("machine: %d CPUs, %s, %s, %s; elapsed %.1fs", m.CPUs, m.CPUModel, m.GoVersion, m.OS, float64(r.Elapsed))
+	if t := r.Throughput; t != nil {
+		p("")
+		p("THROUGHPUT: %d messages of %d B, %d devices, %d partitions, %d kvmapper replica(s); INCOMING filled at %.0f msgs/s",
+			t.Messages, t.Payload, t.Devices, t.Partitions, t.Replicas, t.FillMsgsPerSec)
+		p("contender\tmessages\tmsgs/s\tseconds\tstartup s\tserver CPU s\tclient CPU s\tCPU µs/msg\tkvmapper ×")
+		for _, c := range t.Contenders {
+			ratio := "-"
+			if x, ok := t.Ratio[c.Name]; ok {
+				ratio = fmt.Sprintf("%.2f", x)
+			}
+			p("%s\t%d\t%.0f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%s", c.Name, c.Messages, c.MsgsPerSec, float64(c.Seconds), float64(c.Startup),
+				float64(c.ServerCPU), float64(c.ClientCPU), c.CPUPerMsg(), ratio)
+		}
+		p("kvmapper allocations: %.1f allocs/msg, %.0f B/msg (this process, whole pipeline)", t.AllocsPerMsg, t.BytesPerMsg)
+		p("targets: ≥ %.1f× copy: %s (%.2f); ≥ %.0f× transform: %s (%.2f); ≥ %.0f× naive: %s (%.2f)",
+			Targets.RatioCopy, mark(t.Ratio[Copy] >= Targets.RatioCopy), t.Ratio[Copy],
+			Targets.RatioTransform, mark(t.Ratio[Transform] >= Targets.RatioTransform), t.Ratio[Transform],
+			Targets.RatioNaive, mark(t.Ratio[Naive] >= Targets.RatioNaive), t.Ratio[Naive])
+	}
+	if l := r.Latency; l != nil {
+		p("")
+		p("LATENCY: %d msgs/s for %.0fs after a %.1fs warm-up; publish → delivery from OUTGOING, ms", l.Rate, float64(l.Duration), float64(l.Warmup))
+		p("path\tsent\treceived\trate\tp50\tp90\tp99\tp99.9\tmax")
+		row := func(name string, run LatencyRun) {
+			q := run.Latency
+			p("%s\t%d\t%d\t%.0f\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f", name, run.Sent, run.Received, run.Rate, q.P50, q.P90, q.P99, q.P999, q.Max)
+		}
+		row("straight into OUTGOING", l.Direct)
+		row("through kvmapper", l.KVMapper)
+		a := l.Added
+		p("added by kvmapper\t\t\t\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f", a.P50, a.P90, a.P99, a.P999, a.Max)
+		p("targets: added p50 ≤ %.1f ms: %s; added p99 ≤ %.0f ms: %s", Targets.AddedP50, mark(a.P50 <= Targets.AddedP50), Targets.AddedP99, mark(a.P99 <= Targets.AddedP99))
+	}
+	if c := r.Mapping; c != nil {
+		p("")
+		p("MAPPING CHANGE: %d changes under %d msgs/s, probe every %.1f ms; Put → first message under the new group, ms", c.Changes, c.Load, c.ProbeInterval)
+		p("changes\ttimed out\tp50\tp90\tp99\tmax")
+		q := c.Latency
+		p("%d\t%d\t%.3f\t%.3f\t%.3f\t%.3f", q.Samples, c.TimedOut, q.P50, q.P90, q.P99, q.Max)
+		p("target: p99 ≤ %.0f ms: %s", Targets.ChangeP99, mark(q.P99 <= Targets.ChangeP99 && c.TimedOut == 0))
+	}
+	if t := r.Table; t != nil {
+		p("")
+		p("TABLE: %d devices (bucket loaded at %.0f keys/s)", t.Devices, t.LoadMsgsPerSec)
+		p("ready s\tB/device\tlookup ns\tallocs/lookup")
+		p("%.2f\t%.0f\t%.1f\t%.2f", float64(t.Ready), t.BytesPerDevice, t.LookupNs, t.LookupAllocs)
+		p("targets: ready ≤ %.0f s: %s; ≤ %.0f B/device: %s; lookup ≤ %.0f ns: %s",
+			float64(Targets.ReadySeconds), mark(t.Ready <= Targets.ReadySeconds), Targets.BytesPerDevice, mark(t.BytesPerDevice <= Targets.BytesPerDevice),
+			Targets.LookupNs, mark(t.LookupNs <= Targets.LookupNs))
+	}
+	if f := r.Failover; f != nil {
+		p("")
+		p("FAILOVER: %d replica processes, %d msgs/s; SIGKILL of %s (%d partitions), ms after the kill", f.Replicas, f.Rate, f.Victim, len(f.Gaps))
+		p("partition\tnew owner\tlease expired\tunowned\tclaimed\tfirst output")
+		for _, g := range f.Gaps {
+			p("%d\t%s\t%.0f\t%.0f\t%.0f\t%.0f", g.Partition, g.NewOwner, g.KillToExpiry, g.Unowned, g.KillToClaim, g.KillToOutput)
+		}
+		p("worst\t\t%.0f\t%.0f\t%.0f\t%.0f", f.MaxKillToExpiry, f.MaxUnowned, f.MaxKillToClaim, f.MaxKillToOutput)
+		p("published %d, stored in OUTGOING %d, lost %d", f.Published, f.Stored, f.Lost)
+	}
+	return tw.Flush()
+}
