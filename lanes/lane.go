@@ -20,7 +20,10 @@ import (
 type entry struct {
 	seq    uint64        // INCOMING stream sequence
 	src    jetstream.Msg // the consumed message, to rebuild a dead letter from
-	msg    *nats.Msg     // what is published (OUTGOING or UNMAPPED)
+	msg    *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
+	m      nats.Msg      // the message itself, allocated with the entry
+	id     [1]string     // backing of the Nats-Msg-Id header value
+	rev    [1]string     // backing of the KVMapper-Revision header value
 	reason string        // non-empty when msg is a dead letter
 	gen    uint64        // connection generation (reconnect count) when last sent
 	sent   time.Time     // when last sent, for the acknowledgement timeout
@@ -62,6 +65,7 @@ type lane struct {
 	failed  bool     // some entry failed: resend before sending anything new
 	backoff time.Duration
 
+	free  []*entry       // settled entries, reused: most of a message's allocations are its entry
 	acks  chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
 	inbox string         // "<inbox>.": a reply subject is inbox + sequence
 
@@ -125,7 +129,8 @@ func (l *lane) run(ctx context.Context) error {
 
 	tick := time.NewTicker(l.p.cfg.CheckpointInterval)
 	defer tick.Stop()
-	var held *delivery // consumed, waiting for an in-flight token
+	var held delivery // consumed, waiting for an in-flight token
+	holding := false
 	for {
 		l.popSettled()
 		if !l.valid() {
@@ -141,27 +146,25 @@ func (l *lane) run(ctx context.Context) error {
 		}
 		var inc <-chan delivery
 		var semc chan<- struct{}
-		if held == nil {
-			inc = in
-		} else {
+		if holding {
 			semc = l.p.sem
+		} else {
+			inc = in
 		}
 		select {
 		case <-ctx.Done():
 			stopReading()
 			return l.stop(nil)
-		case d := <-inc:
-			held = &d
-		case semc <- struct{}{}:
-			if len(l.q) > 0 && l.q[0].gen != l.p.generation() {
-				// The connection was replaced while these were in flight: their
-				// acknowledgements are lost. Sending on the new connection first would reorder.
-				<-l.p.sem
-				l.expire(time.Now())
-				continue
+		case held = <-inc:
+			holding = true
+			// Most of the time a token is free: publish now rather than in another round.
+			select {
+			case l.p.sem <- struct{}{}:
+				holding = !l.admit(held)
+			default:
 			}
-			l.push(l.prepare(*held))
-			held = nil
+		case semc <- struct{}{}:
+			holding = !l.admit(held)
 		case m := <-l.acks:
 			l.acknowledge(m)
 		case now := <-tick.C:
@@ -172,6 +175,24 @@ func (l *lane) run(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// admit publishes d, for which the caller holds a token of the pool's semaphore, unless the
+// lease's clock has run out, or the connection was replaced while earlier publishes were in flight: their acknowledgements are
+// lost, and sending on the new connection first would reorder. Then it gives the token back,
+// fails the old publishes so that they are resent first, and returns false.
+func (l *lane) admit(d delivery) bool {
+	if !l.valid() {
+		<-l.p.sem
+		return false // the loop stops the lane
+	}
+	if len(l.q) > 0 && l.q[0].gen != l.p.generation() {
+		<-l.p.sem
+		l.expire(time.Now())
+		return false
+	}
+	l.push(l.prepare(d))
+	return true
 }
 
 // push sends e and appends it to the in-flight queue; it holds one token of the pool's semaphore.
@@ -200,7 +221,19 @@ func (l *lane) popSettled() {
 			l.p.mapped.Add(1)
 		}
 		l.backoff = 0
+		*e = entry{}
+		l.free = append(l.free, e)
 	}
+}
+
+// newEntry returns a cleared entry, reused if one is free.
+func (l *lane) newEntry() *entry {
+	if n := len(l.free); n > 0 {
+		e := l.free[n-1]
+		l.free = l.free[:n-1]
+		return e
+	}
+	return new(entry)
 }
 
 // recover waits until every in-flight publish has settled, then resends, in stream order, every
@@ -312,29 +345,34 @@ func (l *lane) stop(why error) error {
 
 // prepare builds what to publish for one consumed message: the hot path.
 func (l *lane) prepare(d delivery) *entry {
-	e := &entry{seq: d.seq, src: d.msg}
+	e := l.newEntry()
+	e.seq, e.src, e.msg = d.seq, d.msg, &e.m
 	lay := l.p.cfg.Layout
-	hdr := l.headers(d)
+	hdr := l.headers(e)
+	e.m.Header, e.m.Data = hdr, d.msg.Data()
 	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
 		hdr[HeaderSubject] = []string{d.msg.Subject()}
 		e.reason = ReasonMalformedSubject
-		e.msg = &nats.Msg{Subject: lay.MalformedSubject(), Header: l.deadHeaders(hdr, e.reason, err.Error()), Data: d.msg.Data()}
+		e.m.Subject = lay.MalformedSubject()
+		l.deadHeaders(hdr, e.reason, err.Error())
 		return e
 	}
 	group, rev, reason := l.p.lookup(l.fields.Device())
 	if reason != "" {
 		e.reason = reason
 		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
-		e.msg = &nats.Msg{Subject: string(l.buf), Header: l.deadHeaders(hdr, reason, ""), Data: d.msg.Data()}
+		e.m.Subject = string(l.buf)
+		l.deadHeaders(hdr, reason, "")
 		return e
 	}
 	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
+	e.m.Subject = string(l.buf)
 	if !l.p.cfg.NoProvenance {
 		hdr[HeaderPartition] = l.partHdr
 		hdr[HeaderEpoch] = l.epochHdr
-		hdr[HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
+		e.rev[0] = strconv.FormatUint(rev, 10)
+		hdr[HeaderRevision] = e.rev[:]
 	}
-	e.msg = &nats.Msg{Subject: string(l.buf), Header: hdr, Data: d.msg.Data()}
 	return e
 }
 
@@ -344,8 +382,8 @@ const expectedPrefix = "Nats-Expected-"
 // headers addressed INCOMING and are dropped, a device's own Nats-Msg-Id is kept under
 // [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every owner
 // and every retry, so OUTGOING drops anything sent twice.
-func (l *lane) headers(d delivery) nats.Header {
-	hdr := d.msg.Headers()
+func (l *lane) headers(e *entry) nats.Header {
+	hdr := e.src.Headers()
 	if hdr == nil {
 		hdr = make(nats.Header, 4)
 	}
@@ -357,7 +395,9 @@ func (l *lane) headers(d delivery) nats.Header {
 	if id, ok := hdr[nats.MsgIdHdr]; ok {
 		hdr[HeaderOrigMsgID] = id
 	}
-	hdr[nats.MsgIdHdr] = []string{l.idPrefix + strconv.FormatUint(d.seq, 10)}
+	l.buf = strconv.AppendUint(append(l.buf[:0], l.idPrefix...), e.seq, 10)
+	e.id[0] = string(l.buf)
+	hdr[nats.MsgIdHdr] = e.id[:]
 	return hdr
 }
 
