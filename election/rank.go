@@ -5,8 +5,9 @@ import "strconv"
 // Rank returns the member that ranks first for partition p by rendezvous (highest-random-weight)
 // hashing, or "" when members is empty. It depends only on p and the set of members (not their
 // order or duplicates), so every replica that sees the same members computes the same owner, and
-// adding or removing a member moves only the partitions that member ranks first for. It is a pure
-// function, safe for concurrent use.
+// adding or removing a member moves only the partitions that member ranks first for. It balances
+// only on average; the [Elector] assigns by [Quota] and [Plan], which order each replica's
+// preferences by the same weights. It is a pure function, safe for concurrent use.
 func Rank(p int, members []string) string {
 	var best string
 	var bestW uint64
