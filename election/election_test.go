@@ -345,7 +345,12 @@ func TestKillFailover(t *testing.T) {
 
 	// a's Works end by self-fencing, before the lease could expire on the server.
 	for range lost {
-		e := <-tr.ends
+		var e end
+		select {
+		case e = <-tr.ends:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("a's Works did not all end within 10s of the kill")
+		}
 		if e.replica != "a" || !errors.Is(e.cause, election.ErrLeaseLost) {
 			t.Fatalf("Work end %+v, want replica a with ErrLeaseLost", e)
 		}
