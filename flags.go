@@ -47,6 +47,30 @@ func flags(groups ...[]cli.Flag) []cli.Flag {
 	return all
 }
 
+// common is what every command builds from its flags before anything else.
+type common struct {
+	layout *subjects.Layout
+	setup  setup.Config
+	log    zerolog.Logger
+}
+
+// parseCommon reads the layout, setup and log flags; an invalid one is a usage error.
+func parseCommon(c *cli.Context) (common, error) {
+	lay, err := layout(c)
+	if err != nil {
+		return common{}, err
+	}
+	scfg, err := setupConfig(c, lay)
+	if err != nil {
+		return common{}, err
+	}
+	log, err := logger(c, c.App.ErrWriter)
+	if err != nil {
+		return common{}, err
+	}
+	return common{layout: lay, setup: scfg, log: log}, nil
+}
+
 // layout builds the subject layout from the flags; a bad template is a usage error.
 func layout(c *cli.Context) (*subjects.Layout, error) {
 	lay, err := subjects.NewLayout(c.String("in"), c.String("out"), c.String("unmapped"), c.Int("partitions"))

@@ -59,18 +59,11 @@ func setupCommand() *cli.Command {
 			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
 		Flags: flags(connFlags(), layoutFlags(), logFlags()),
 		Action: func(c *cli.Context) error {
-			lay, err := layout(c)
+			cm, err := parseCommon(c)
 			if err != nil {
 				return err
 			}
-			scfg, err := setupConfig(c, lay)
-			if err != nil {
-				return err
-			}
-			log, err := logger(c, c.App.ErrWriter)
-			if err != nil {
-				return err
-			}
+			scfg, log := cm.setup, cm.log
 			nc, err := connect(c, c.String("server"), "kvmapper setup", log)
 			if err != nil {
 				return err
@@ -108,18 +101,11 @@ func defaultReplicaID() string {
 }
 
 func runAction(c *cli.Context) error {
-	lay, err := layout(c)
+	cm, err := parseCommon(c)
 	if err != nil {
 		return err
 	}
-	scfg, err := setupConfig(c, lay)
-	if err != nil {
-		return err
-	}
-	log, err := logger(c, c.App.ErrWriter)
-	if err != nil {
-		return err
-	}
+	lay, scfg, log := cm.layout, cm.setup, cm.log
 	for _, name := range []string{"renew-interval", "grace", "checkpoint-interval", "publish-timeout", "drain-timeout"} {
 		if err := positive(c, name); err != nil {
 			return err

@@ -40,18 +40,11 @@ func statusCommand() *cli.Command {
 }
 
 func statusAction(c *cli.Context) error {
-	lay, err := layout(c)
+	cm, err := parseCommon(c)
 	if err != nil {
 		return err
 	}
-	scfg, err := setupConfig(c, lay)
-	if err != nil {
-		return err
-	}
-	log, err := logger(c, c.App.ErrWriter)
-	if err != nil {
-		return err
-	}
+	lay, scfg, log := cm.layout, cm.setup, cm.log
 	if err := positive(c, "interval"); err != nil {
 		return err
 	}

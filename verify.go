@@ -36,18 +36,11 @@ func verifyCommand() *cli.Command {
 }
 
 func verifyAction(c *cli.Context) error {
-	lay, err := layout(c)
+	cm, err := parseCommon(c)
 	if err != nil {
 		return err
 	}
-	scfg, err := setupConfig(c, lay)
-	if err != nil {
-		return err
-	}
-	log, err := logger(c, c.App.ErrWriter)
-	if err != nil {
-		return err
-	}
+	lay, scfg, log := cm.layout, cm.setup, cm.log
 	wait := c.Duration("wait")
 	if wait < 0 {
 		return usagef("invalid value %v for flag --wait: must not be negative", wait)
