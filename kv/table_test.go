@@ -262,7 +262,7 @@ func TestServerRestart(t *testing.T) {
 	waitReady(t, tb)
 	natstest.Eventually(t, wait, hasEntry(tb, "dev-1", kv.Entry{Group: "group-a", Revision: rev}))
 
-	srv = srv.Restart()
+	srv.Restart()
 	// The table keeps serving while the client reconnects.
 	if err := hasEntry(tb, "dev-1", kv.Entry{Group: "group-a", Revision: rev})(); err != nil {
 		t.Fatalf("after restart: %v", err)
