@@ -190,7 +190,7 @@ func benchReplica(log zerolog.Logger) bench.ReplicaFunc {
 		r, err := newReplica(ctx, js, replicaConfig{
 			ID:     id,
 			Setup:  scfg,
-			Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming},
+			Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance},
 			Logger: rlog,
 		})
 		if err != nil {

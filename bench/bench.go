@@ -44,6 +44,9 @@ type Names struct {
 	Incoming, Outgoing, Unmapped string // streams
 	Groups, Control              string // buckets
 	Partitions                   int
+	// NoProvenance runs the replica without the KVMapper-Partition, -Epoch and -Revision
+	// headers, to measure what they cost.
+	NoProvenance bool
 }
 
 // ReplicaFunc runs one kvmapper replica in this process: it dials url, creates or verifies the

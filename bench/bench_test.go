@@ -47,7 +47,7 @@ func TestRun(t *testing.T) {
 	if tp == nil {
 		t.Fatal("Run().Throughput = nil")
 	}
-	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.Naive: 500}
+	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000, bench.Naive: 500}
 	if len(tp.Contenders) != len(want) {
 		t.Errorf("%d contenders, want %d", len(tp.Contenders), len(want))
 	}

@@ -108,7 +108,7 @@ func testReplica(ctx context.Context, url, id string, n bench.Names, ready func(
 			return "", 0, lanes.ReasonNoMapping
 		}
 		return e.Group, e.Revision, e.Reason
-	}, lanes.Config{Layout: lay, Incoming: n.Incoming})
+	}, lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance})
 	if err != nil {
 		return err
 	}

@@ -15,10 +15,12 @@ import (
 
 // The contenders of the throughput run.
 const (
-	KVMapper  = "kvmapper"
-	Copy      = "server-side copy"
-	Transform = "server-side transform"
-	Naive     = "naive mapper"
+	KVMapper = "kvmapper"
+	// KVMapperBare is kvmapper without provenance headers (--no-provenance): what they cost.
+	KVMapperBare = "kvmapper, no provenance"
+	Copy         = "server-side copy"
+	Transform    = "server-side transform"
+	Naive        = "naive mapper"
 )
 
 // Contender is one way of getting INCOMING into a target stream, timed.
@@ -101,7 +103,8 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 				Source: "incoming.*.*.*", Destination: "outgoing.grp.{{wildcard(2)}}.{{wildcard(3)}}",
 			}})
 		}},
-		{KVMapper, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res) }},
+		{KVMapper, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapper) }},
+		{KVMapperBare, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapperBare) }},
 		{Naive, e.naive},
 	}
 	for _, r := range runs {
@@ -158,13 +161,17 @@ func (e *env) streamInfo(ctx context.Context, name string) (*jetstream.StreamInf
 	return s.Info(ctx)
 }
 
-// kvmapper times the in-process replicas from the moment their tables are loaded.
-func (e *env) kvmapper(ctx context.Context, res *ThroughputResult) (Contender, error) {
+// kvmapper times the in-process replicas from the moment their tables are loaded. The run named
+// KVMapperBare leaves the provenance headers out; only the KVMapper run is profiled and counts
+// allocations.
+func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) (Contender, error) {
 	info, err := e.streamInfo(ctx, incomingStream)
 	if err != nil {
 		return Contender{}, err
 	}
+	main := name == KVMapper
 	names := e.names("BENCH_OUT_KVMAPPER")
+	names.NoProvenance = !main
 	if err := e.ensure(ctx, names); err != nil {
 		return Contender{}, err
 	}
@@ -180,24 +187,30 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult) (Contender, e
 	}()
 	var ms0, ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms0)
-	if err := e.profiles(true); err != nil {
-		return Contender{}, err
+	if main {
+		if err := e.profiles(true); err != nil {
+			return Contender{}, err
+		}
 	}
 	cpu := e.cpuStart()
 	start := time.Now()
-	w, werr := e.waitCount(ctx, names.Outgoing, info.State.Msgs, start, KVMapper)
+	w, werr := e.waitCount(ctx, names.Outgoing, info.State.Msgs, start, name)
 	server, client := cpu.stop()
 	runtime.ReadMemStats(&ms1)
-	if err := e.profiles(false); err != nil && werr == nil {
-		werr = err
+	if main {
+		if err := e.profiles(false); err != nil && werr == nil {
+			werr = err
+		}
 	}
 	if werr != nil {
 		return Contender{}, werr
 	}
-	c := contender(KVMapper, w)
+	c := contender(name, w)
 	c.ServerCPU, c.ClientCPU = server, client
-	res.AllocsPerMsg = float64(ms1.Mallocs-ms0.Mallocs) / float64(w.messages)
-	res.BytesPerMsg = float64(ms1.TotalAlloc-ms0.TotalAlloc) / float64(w.messages)
+	if main {
+		res.AllocsPerMsg = float64(ms1.Mallocs-ms0.Mallocs) / float64(w.messages)
+		res.BytesPerMsg = float64(ms1.TotalAlloc-ms0.TotalAlloc) / float64(w.messages)
+	}
 	err = m.stop()
 	m = nil
 	if err != nil {
