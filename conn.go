@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 )
@@ -358,4 +359,19 @@ func (l *logLimiter) allowAt(kind string, now time.Time) (int, bool) {
 	n := l.skip[kind]
 	l.last[kind], l.skip[kind] = now, 0
 	return n, true
+}
+
+// dial connects to the servers of --server (or the context) for a command that runs once, and
+// returns the connection with a JetStream context on it; the caller closes the connection.
+func dial(c *cli.Context, name string, log zerolog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+	nc, err := connect(c, c.String("server"), name, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return nc, js, nil
 }

@@ -64,15 +64,11 @@ func setupCommand() *cli.Command {
 				return err
 			}
 			scfg, log := cm.setup, cm.log
-			nc, err := connect(c, c.String("server"), "kvmapper setup", log)
+			nc, js, err := dial(c, "kvmapper setup", log)
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
 			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 			defer cancel()
 			lines, err := setup.Ensure(ctx, js, scfg)

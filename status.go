@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/mattn/go-isatty"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/status"
@@ -57,15 +56,11 @@ func statusAction(c *cli.Context) error {
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	nc, err := connect(c, c.String("server"), "kvmapper status", log)
+	nc, js, err := dial(c, "kvmapper status", log)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
 	rcfg := status.ReadConfig{
 		Layout:   lay,
 		Incoming: scfg.Incoming,

@@ -55,15 +55,11 @@ func verifyAction(c *cli.Context) error {
 
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	nc, err := connect(c, c.String("server"), "kvmapper verify", log)
+	nc, js, err := dial(c, "kvmapper verify", log)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
 	var lastLog time.Time
 	rep, err := audit.Run(ctx, js, audit.Config{
 		Layout:      lay,
