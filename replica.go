@@ -337,7 +337,7 @@ func (r *replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	st := r.pool.Stats()
 	s := metrics.Snapshot{
 		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
-		Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+		Retries: st.Retries, Failures: st.Failures, Dropped: st.Dropped, Reorders: st.Reorders, InFlight: st.InFlight,
 		Owned:         len(r.elector.Owned()),
 		TableDevices:  r.table.Len(),
 		TableRevision: r.table.Revision(),

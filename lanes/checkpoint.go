@@ -76,10 +76,15 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	var b [20]byte
-	rev, err := l.p.ctl.Update(ctx, l.key, strconv.AppendUint(b[:0], l.acked, 10), l.cpRev)
+	val := strconv.AppendUint(b[:0], l.acked, 10)
+	rev, err := l.p.ctl.Update(ctx, l.key, val, l.cpRev)
 	switch {
 	case err == nil:
-		l.cpRev, l.checkpointed = rev, l.acked
+		l.cpRev, l.checkpointed, l.cpOK = rev, l.acked, time.Now()
+		l.stats.checkpoint.Store(l.acked)
+		return nil
+	case isConflict(err) && l.adopt(ctx, val):
+		l.checkpointed, l.cpOK = l.acked, time.Now()
 		l.stats.checkpoint.Store(l.acked)
 		return nil
 	case isConflict(err):
@@ -90,6 +95,23 @@ func (l *lane) checkpoint(ctx context.Context) error {
 		})
 		return nil
 	}
+}
+
+// adopt handles a checkpoint conflict while the lease still holds by the lane's own clock: then
+// no other owner can have fenced the partition (a new owner claims only after the lease expired,
+// and Valid turns false before that), so the conflicting write can only be the lane's own
+// earlier one that timed out but was applied. If the stored value is the one it tried to write,
+// it takes that revision as its own and reports true.
+func (l *lane) adopt(ctx context.Context, want []byte) bool {
+	if !l.valid() {
+		return false
+	}
+	e, err := l.p.ctl.Get(ctx, l.key)
+	if err != nil || string(e.Value()) != string(want) {
+		return false
+	}
+	l.cpRev = e.Revision()
+	return true
 }
 
 // isConflict tells a failed compare-and-set. On R1 buckets the server answers with "key exists",

@@ -17,6 +17,8 @@ const (
 	ReasonMalformedSubject = "malformed-subject" // the stored subject does not fit the in template
 	ReasonOversized        = "oversized"         // OUTGOING (or the connection) refused the message's size
 	ReasonRejected         = "rejected"          // OUTGOING refused the message for another permanent reason
+	// ReasonDropped is never on a message: it marks one UNMAPPED refused even stripped.
+	ReasonDropped = "dropped"
 )
 
 // Headers kvmapper sets on the messages it publishes.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
@@ -85,6 +87,9 @@ func (f *fixture) connect() {
 func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
 	f.t.Helper()
 	cfg.Layout = f.lay
+	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
+		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.DebugLevel).With().Timestamp().Logger()
+	}
 	if cfg.CheckpointInterval == 0 {
 		cfg.CheckpointInterval = 20 * time.Millisecond
 	}

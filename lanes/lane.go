@@ -18,15 +18,17 @@ import (
 
 // entry is one INCOMING message on its way out, from publish to acknowledgement.
 type entry struct {
-	seq    uint64        // INCOMING stream sequence
-	src    jetstream.Msg // the consumed message, to rebuild a dead letter from
-	msg    *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
-	m      nats.Msg      // the message itself, allocated with the entry
-	id     [1]string     // backing of the Nats-Msg-Id header value
-	rev    [1]string     // backing of the KVMapper-Revision header value
-	reason string        // non-empty when msg is a dead letter
-	gen    uint64        // connection generation (reconnect count) when last sent
-	sent   time.Time     // when last sent, for the acknowledgement timeout
+	seq      uint64        // INCOMING stream sequence
+	src      jetstream.Msg // the consumed message, to rebuild a dead letter from
+	msg      *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
+	m        nats.Msg      // the message itself, allocated with the entry
+	id       [1]string     // backing of the Nats-Msg-Id header value
+	rev      [1]string     // backing of the KVMapper-Revision header value
+	reason   string        // non-empty when msg is a dead letter
+	device   string        // the device, for the reorder check (a substring of the INCOMING subject)
+	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
+	gen      uint64        // connection generation (reconnect count) when last sent
+	sent     time.Time     // when last sent, for the acknowledgement timeout
 
 	acked     bool  // the stream stored it (or had it already)
 	duplicate bool  // the stream said it had it already
@@ -57,12 +59,14 @@ type lane struct {
 	log zerolog.Logger
 	key string // checkpoint.<p>
 
-	cpRev        uint64 // revision of our last checkpoint write: the fence
-	checkpointed uint64 // sequence last written
-	acked        uint64 // contiguous acknowledged prefix
+	cpRev        uint64    // revision of our last checkpoint write: the fence
+	checkpointed uint64    // sequence last written
+	acked        uint64    // contiguous acknowledged prefix
+	cpOK         time.Time // when the checkpoint was last written (or fenced)
 
-	q       []*entry // in flight, in stream order
-	failed  bool     // some entry failed: resend before sending anything new
+	q       []*entry      // in flight, in stream order
+	failed  bool          // some entry failed: resend before sending anything new
+	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
 	backoff time.Duration
 
 	free  []*entry       // settled entries, reused: most of a message's allocations are its entry
@@ -86,6 +90,7 @@ func newLane(p *Pool, a Assignment) *lane {
 		key:      CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
 		idPrefix: p.cfg.Incoming + ":",
+		timeout:  p.cfg.PublishTimeout,
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
 	}
@@ -100,9 +105,12 @@ func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 func (l *lane) run(ctx context.Context) error {
 	start, err := l.fence(ctx)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // released before it started
+		}
 		return err
 	}
-	l.acked, l.checkpointed = start, start
+	l.acked, l.checkpointed, l.cpOK = start, start, time.Now()
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
@@ -142,13 +150,23 @@ func (l *lane) run(ctx context.Context) error {
 				stopReading()
 				return l.stop(err)
 			}
+			if ctx.Err() != nil {
+				// Released (or shut down) while resending: stop drains what is left.
+				stopReading()
+				return l.stop(nil)
+			}
 			continue
 		}
 		var inc <-chan delivery
 		var semc chan<- struct{}
-		if holding {
+		switch {
+		case holding:
 			semc = l.p.sem
-		} else {
+		case l.acked > l.checkpointed && time.Since(l.cpOK) > l.p.cfg.MaxCheckpointAge:
+			// The checkpoint has not been written for too long: a takeover now would resend
+			// more than OUTGOING's duplicate window still recognises. Take nothing new until a
+			// write succeeds (the tick keeps trying).
+		default:
 			inc = in
 		}
 		select {
@@ -168,6 +186,7 @@ func (l *lane) run(ctx context.Context) error {
 		case m := <-l.acks:
 			l.acknowledge(m)
 		case now := <-tick.C:
+			l.drainAcks()
 			l.expire(now)
 			if err := l.checkpoint(ctx); err != nil {
 				stopReading()
@@ -215,6 +234,7 @@ func (l *lane) popSettled() {
 		switch {
 		case e.duplicate:
 			l.p.duplicates.Add(1)
+		case e.reason == ReasonDropped:
 		case e.reason != "":
 			l.p.countUnmapped(e.reason)
 		default:
@@ -274,6 +294,8 @@ func (l *lane) recover(ctx context.Context) error {
 		return nil
 	}
 	l.failed = false
+	l.checkReorder()
+	gen := l.p.generation()
 	for _, e := range l.q {
 		if e.acked {
 			continue
@@ -281,12 +303,16 @@ func (l *lane) recover(ctx context.Context) error {
 		if !l.valid() {
 			return ErrFenced
 		}
-		if reason, why := permanent(e.err); reason != "" && e.reason == "" {
-			l.p.warn("refused", func(ev *zerolog.Event) {
-				ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
-					Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
-			})
-			l.redirect(e, reason, why)
+		if l.p.generation() != gen {
+			// Reconnected during this pass: what was sent before may be lost, and sending more
+			// now could overtake it. The next round starts from the first unacknowledged.
+			l.expire(time.Now())
+			break
+		}
+		if reason, why := permanent(e.err); reason != "" {
+			if !l.refused(e, reason, why) {
+				continue // given up: counted and logged
+			}
 		}
 		l.p.retries.Add(1)
 		l.send(e)
@@ -295,6 +321,73 @@ func (l *lane) recover(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// refused handles a publish refused for good. A message for OUTGOING becomes a dead letter; a
+// dead letter refused in turn is resent stripped to its reason, error, subject and id headers
+// and no payload; if even that is refused, the lane gives up on it — counted as dropped and
+// logged as an error — rather than block the partition. It returns false when it gave up.
+// Whatever is dropped stays in INCOMING under the sequence the log names.
+func (l *lane) refused(e *entry, reason, why string) bool {
+	switch {
+	case e.reason == "":
+		l.p.warn("refused", func(ev *zerolog.Event) {
+			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
+				Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
+		})
+		l.redirect(e, reason, why)
+	case !e.stripped:
+		l.p.warn("refused-dead", func(ev *zerolog.Event) {
+			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("error", why).
+				Msg("UNMAPPED refused a dead letter; resending it without payload and original headers")
+		})
+		l.strip(e, why)
+	default:
+		l.p.dropped.Add(1)
+		l.log.Error().Uint64("seq", e.seq).Str("error", why).
+			Msg("UNMAPPED refused even a stripped dead letter; giving up on it (it stays in INCOMING at this sequence): check UNMAPPED's limits")
+		e.err, e.acked, e.reason = nil, true, ReasonDropped
+		return false
+	}
+	return true
+}
+
+// strip reduces a dead letter to what says why it is one: no payload, no original headers.
+func (l *lane) strip(e *entry, why string) {
+	old := e.msg.Header
+	hdr := nats.Header{
+		nats.MsgIdHdr: old[nats.MsgIdHdr],
+		HeaderReason:  old[HeaderReason],
+		HeaderSubject: []string{e.src.Subject()},
+	}
+	if v := old.Get(HeaderError); v != "" {
+		why = v + "; then: " + why
+	}
+	hdr[HeaderError] = []string{why}
+	e.msg = &nats.Msg{Subject: e.msg.Subject, Header: hdr}
+	e.stripped = true
+}
+
+// checkReorder looks, before a resend, for a failed publish followed by a stored one of the same
+// device: resending the first puts it behind the second. The server refuses single messages
+// only under duress (an ingest queue over 100k, a stream without a leader), and the lane keeps
+// in-flight far below that; if it happens anyway, it is counted and logged so that it is not
+// silent, and `kvmapper verify` names the messages.
+func (l *lane) checkReorder() {
+	var failed map[string]bool
+	for _, e := range l.q {
+		switch {
+		case e.err != nil && e.device != "":
+			if failed == nil {
+				failed = map[string]bool{}
+			}
+			failed[e.device] = true
+		case e.acked && !e.duplicate && failed[e.device]:
+			l.p.reorders.Add(1)
+			l.log.Error().Uint64("seq", e.seq).Str("device", e.device).
+				Msg("a message was stored after an earlier one of its device was refused: their order in OUTGOING is reversed (the server refused single messages; check its limits)")
+		}
+	}
 }
 
 // stop drains the lane: it waits (up to DrainTimeout) for the in-flight publishes, resending in
@@ -357,7 +450,8 @@ func (l *lane) prepare(d delivery) *entry {
 		l.deadHeaders(hdr, e.reason, err.Error())
 		return e
 	}
-	group, rev, reason := l.p.lookup(l.fields.Device())
+	e.device = l.fields.Device()
+	group, rev, reason := l.p.lookup(e.device)
 	if reason != "" {
 		e.reason = reason
 		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)

@@ -53,6 +53,11 @@ type Config struct {
 	// RetryBackoff is the first pause before republishing after a failure; it doubles up to
 	// MaxRetryBackoff. Defaults 50ms and 2s.
 	RetryBackoff, MaxRetryBackoff time.Duration
+	// MaxCheckpointAge is how long a lane keeps taking new messages while its checkpoint cannot
+	// be written. It must stay well below OUTGOING's duplicate window (2 minutes by default): a
+	// takeover resends from the checkpoint, and only the window makes those resends duplicates.
+	// Default 1m.
+	MaxCheckpointAge time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Logger receives structured logs. Default: none.
@@ -84,6 +89,9 @@ func (c *Config) setDefaults() error {
 	if c.PullBatch == 0 {
 		c.PullBatch = 512
 	}
+	if c.MaxCheckpointAge == 0 {
+		c.MaxCheckpointAge = time.Minute
+	}
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = 50 * time.Millisecond
 	}
@@ -108,6 +116,8 @@ type Stats struct {
 	Duplicates uint64            // publishes OUTGOING or UNMAPPED acknowledged as duplicates
 	Retries    uint64            // messages republished after a publish failure
 	Failures   uint64            // publish failures (each one is retried or dead-lettered)
+	Dropped    uint64            // dead letters UNMAPPED refused even stripped: left in INCOMING, logged
+	Reorders   uint64            // messages stored after a refused earlier one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 }
 
@@ -124,6 +134,7 @@ type Pool struct {
 	sem chan struct{} // one token per publish in flight, shared by all lanes (I5)
 
 	mapped, duplicates, retries, failures atomic.Uint64
+	dropped, reorders                     atomic.Uint64
 	unmappedMu                            sync.Mutex
 	unmapped                              map[string]uint64
 
@@ -228,6 +239,8 @@ func (p *Pool) Stats() Stats {
 		Duplicates: p.duplicates.Load(),
 		Retries:    p.retries.Load(),
 		Failures:   p.failures.Load(),
+		Dropped:    p.dropped.Load(),
+		Reorders:   p.reorders.Load(),
 		InFlight:   len(p.sem),
 		Unmapped:   make(map[string]uint64),
 	}

@@ -52,6 +52,25 @@ func (l *lane) send(e *entry) {
 	if err := l.p.nc.PublishMsg(e.msg); err != nil {
 		e.err = err
 		l.failed = true
+		return
+	}
+	if l.p.generation() != e.gen {
+		// A reconnect completed around this publish: it may have gone out on the new
+		// connection ahead of older ones that were lost. Resend from the first unacknowledged.
+		e.err = nats.ErrDisconnected
+		l.failed = true
+	}
+}
+
+// drainAcks applies the acknowledgements already queued, without waiting.
+func (l *lane) drainAcks() {
+	for {
+		select {
+		case m := <-l.acks:
+			l.acknowledge(m)
+		default:
+			return
+		}
 	}
 }
 
@@ -73,6 +92,7 @@ func (l *lane) acknowledge(m *nats.Msg) {
 		return
 	}
 	e.acked = true
+	l.timeout = l.p.cfg.PublishTimeout
 }
 
 // find returns the in-flight entry of INCOMING sequence seq, or nil. Acknowledgements come in
@@ -100,7 +120,8 @@ func (l *lane) find(seq uint64) *entry {
 }
 
 // expire fails the entries whose acknowledgement cannot come any more: those sent on a
-// connection that has since been replaced, and those older than PublishTimeout.
+// connection that has since been replaced, and those older than the current acknowledgement
+// timeout (PublishTimeout, longer after timeouts in a row).
 func (l *lane) expire(now time.Time) {
 	gen := l.p.generation()
 	for _, e := range l.q {
@@ -109,9 +130,12 @@ func (l *lane) expire(now time.Time) {
 		case e.gen != gen:
 			e.err = nats.ErrDisconnected
 			l.failed = true
-		case now.Sub(e.sent) > l.p.cfg.PublishTimeout:
+		case now.Sub(e.sent) > l.timeout:
 			e.err = errAckTimeout
 			l.failed = true
+			// A server this slow must not get the whole window again at once: each timeout
+			// in a row doubles the wait (up to 16 × PublishTimeout), an acknowledgement resets it.
+			l.timeout = min(2*l.timeout, 16*l.p.cfg.PublishTimeout)
 		}
 	}
 }
@@ -120,6 +144,7 @@ func (l *lane) expire(now time.Time) {
 // ctx ends first.
 func (l *lane) settle(ctx context.Context) error {
 	for {
+		l.drainAcks()
 		l.expire(time.Now())
 		unsettled := false
 		for _, e := range l.q {

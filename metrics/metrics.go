@@ -23,6 +23,8 @@ type Snapshot struct {
 	Duplicates uint64            // publishes acknowledged as duplicates
 	Retries    uint64            // messages republished after a failure
 	Failures   uint64            // publish failures
+	Dropped    uint64            // dead letters UNMAPPED refused even stripped
+	Reorders   uint64            // messages stored after a refused earlier one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 
 	Owned      int         // partitions this replica holds a lease for
@@ -179,6 +181,8 @@ var (
 	descDuplicates = prometheus.NewDesc("kvmapper_duplicates_total", "Publishes OUTGOING or UNMAPPED acknowledged as duplicates (retries and takeovers).", nil, nil)
 	descRetries    = prometheus.NewDesc("kvmapper_publish_retries_total", "Messages republished after a publish failure.", nil, nil)
 	descFailures   = prometheus.NewDesc("kvmapper_publish_failures_total", "Publish failures (each is retried or dead-lettered).", nil, nil)
+	descDropped    = prometheus.NewDesc("kvmapper_dropped_total", "Dead letters UNMAPPED refused even stripped: left in INCOMING and logged.", nil, nil)
+	descReorders   = prometheus.NewDesc("kvmapper_reorders_total", "Messages stored after a refused earlier message of the same device (order reversed; alert on any).", nil, nil)
 	descInFlight   = prometheus.NewDesc("kvmapper_in_flight", "Publishes awaiting acknowledgement.", nil, nil)
 	descOwned      = prometheus.NewDesc("kvmapper_partitions_owned", "Partitions this replica holds a lease for.", nil, nil)
 	descLag        = prometheus.NewDesc("kvmapper_partition_lag_messages", "Messages of the partition in INCOMING not yet acknowledged downstream (running lanes only).", []string{"partition"}, nil)
@@ -190,7 +194,7 @@ var (
 	descWatchLag   = prometheus.NewDesc("kvmapper_table_watch_lag_revisions", "Revisions the groups bucket holds beyond what the table has applied.", nil, nil)
 	descEventsPub  = prometheus.NewDesc("kvmapper_events_published_total", "Ownership events published.", nil, nil)
 	descEventsDrop = prometheus.NewDesc("kvmapper_events_dropped_total", "Ownership events dropped because the publisher fell behind.", nil, nil)
-	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop}
+	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -213,6 +217,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descDuplicates, s.Duplicates)
 	counter(descRetries, s.Retries)
 	counter(descFailures, s.Failures)
+	counter(descDropped, s.Dropped)
+	counter(descReorders, s.Reorders)
 	for _, r := range c.m.cfg.UnmappedReasons {
 		if _, ok := s.Unmapped[r]; !ok {
 			counter(descUnmapped, 0, r)
