@@ -121,9 +121,10 @@ func (l *lane) find(seq uint64) *entry {
 
 // expire fails the entries whose acknowledgement cannot come any more: those sent on a
 // connection that has since been replaced, and those older than the current acknowledgement
-// timeout (PublishTimeout, longer after timeouts in a row).
+// timeout (PublishTimeout, longer after rounds of timeouts in a row).
 func (l *lane) expire(now time.Time) {
 	gen := l.p.generation()
+	timedOut := false
 	for _, e := range l.q {
 		switch {
 		case e.settled():
@@ -133,10 +134,14 @@ func (l *lane) expire(now time.Time) {
 		case now.Sub(e.sent) > l.timeout:
 			e.err = errAckTimeout
 			l.failed = true
-			// A server this slow must not get the whole window again at once: each timeout
-			// in a row doubles the wait (up to 16 × PublishTimeout), an acknowledgement resets it.
-			l.timeout = min(2*l.timeout, 16*l.p.cfg.PublishTimeout)
+			timedOut = true
 		}
+	}
+	if timedOut {
+		// A server this slow must not get the whole window again at once: each round of
+		// timeouts in a row doubles the wait (up to 4 × PublishTimeout); an acknowledgement
+		// resets it.
+		l.timeout = min(2*l.timeout, 4*l.p.cfg.PublishTimeout)
 	}
 }
 
