@@ -70,8 +70,15 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	e := &env{t: t, srv: natstest.Start(t)}
-	e.nc, e.js = e.srv.JetStream(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	return envOn(t, natstest.Start(t))
+}
+
+// envOn is newEnv on a server the test started, with extra client options (credentials).
+func envOn(t *testing.T, srv *natstest.Server, opts ...nats.Option) *env {
+	t.Helper()
+	e := &env{t: t, srv: srv}
+	opts = append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(20 * time.Millisecond)}, opts...)
+	e.nc, e.js = srv.JetStream(t, opts...)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t)}); err != nil {

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -15,7 +14,6 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/setup"
 )
 
 // grants are the NATS permissions one kvmapper command needs, found by running each command
@@ -118,28 +116,6 @@ func users(byName map[string]grants) func(*server.Options) {
 			o.Users = append(o.Users, &server.User{Username: name, Password: name + "-pw", Permissions: g.permissions()})
 		}
 	}
-}
-
-// envOn is newEnv on a server of the caller's making: its client connects with opts and runs
-// setup, as an administrator would before starting restricted replicas.
-func envOn(t *testing.T, srv *natstest.Server, opts ...nats.Option) *env {
-	t.Helper()
-	e := &env{t: t, srv: srv}
-	opts = append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(20 * time.Millisecond)}, opts...)
-	e.nc, e.js = srv.JetStream(t, opts...)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t)}); err != nil {
-		t.Fatalf("setup.Ensure: %v", err)
-	}
-	var err error
-	if e.groups, err = e.js.KeyValue(ctx, "device-groups"); err != nil {
-		t.Fatal(err)
-	}
-	if e.ctl, err = e.js.KeyValue(ctx, "kvmapper"); err != nil {
-		t.Fatal(err)
-	}
-	return e
 }
 
 // violations returns the permissions-violation lines a mapper logged.
