@@ -206,6 +206,24 @@ func (e *env) audit(sent map[string]int) {
 	}
 }
 
+// mappedDevices names n devices, all mapped to group g.
+func (e *env) mappedDevices(n int) []string {
+	devs := deviceNames("dev-", n)
+	for _, d := range devs {
+		e.put(d, "g")
+	}
+	return devs
+}
+
+// startReplicas starts one kvmapper process per id.
+func (e *env) startReplicas(ids ...string) map[string]*mapper {
+	reps := map[string]*mapper{}
+	for _, id := range ids {
+		reps[id] = e.startMapper(id)
+	}
+	return reps
+}
+
 func percentile(d []time.Duration, q float64) time.Duration {
 	s := slices.Clone(d)
 	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
@@ -215,16 +233,10 @@ func percentile(d []time.Duration, q float64) time.Duration {
 
 func TestThreeReplicasKillNineTakeover(t *testing.T) {
 	e := newEnv(t)
-	devs := deviceNames("dev-", 64)
-	for _, d := range devs {
-		e.put(d, "g")
-	}
+	devs := e.mappedDevices(64)
 	lw := e.watchLeases()
 	ids := []string{"r0", "r1", "r2"}
-	reps := map[string]*mapper{}
-	for _, id := range ids {
-		reps[id] = e.startMapper(id)
-	}
+	reps := e.startReplicas(ids...)
 	lw.waitBalanced(t, ids...)
 	load := e.startLoad(devs, 10*time.Millisecond)
 
@@ -286,10 +298,7 @@ func TestThreeReplicasKillNineTakeover(t *testing.T) {
 
 func TestStoppedOwnerFencesItself(t *testing.T) {
 	e := newEnv(t)
-	devs := deviceNames("dev-", 64)
-	for _, d := range devs {
-		e.put(d, "g")
-	}
+	devs := e.mappedDevices(64)
 	lw := e.watchLeases()
 	r0 := e.startMapper("r0")
 	r1 := e.startMapper("r1")
@@ -321,17 +330,11 @@ func TestStoppedOwnerFencesItself(t *testing.T) {
 
 func TestJoinLeaveAndRollingRestartSendNothingTwice(t *testing.T) {
 	e := newEnv(t)
-	devs := deviceNames("dev-", 64)
-	for _, d := range devs {
-		e.put(d, "g")
-	}
+	devs := e.mappedDevices(64)
 	lw := e.watchLeases()
 	ids := []string{"r0", "r1", "r2"}
-	reps := map[string]*mapper{}
+	reps := e.startReplicas(ids...)
 	var stopped []*mapper
-	for _, id := range ids {
-		reps[id] = e.startMapper(id)
-	}
 	before := lw.waitBalanced(t, ids...)
 	load := e.startLoad(devs, 10*time.Millisecond)
 
