@@ -21,6 +21,7 @@ import (
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func runCommand() *cli.Command {
@@ -120,10 +121,16 @@ func runAction(c *cli.Context) error {
 	if id == "" {
 		id = defaultReplicaID()
 	}
+	if err := subjects.ValidToken(id); err != nil {
+		// It names the replica's KV keys and its status subject: one subject token.
+		return usagef("invalid value %q for flag --replica-id: %v", id, err)
+	}
 	log = log.With().Str("replica", id).Logger()
 
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal starts the drain; from then on a second one ends the process at once.
+	context.AfterFunc(ctx, stop)
 
 	servers := c.String("server")
 	if c.Bool("embedded") {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -321,6 +322,32 @@ func TestBucketDeleted(t *testing.T) {
 	}
 	rev = put(t, b, "dev-1", "group-d")
 	natstest.Eventually(t, wait, hasEntry(tb, "dev-1", kv.Entry{Group: "group-d", Revision: rev}))
+}
+
+// A bucket deleted and created again between two checks: nats.go's watcher would resume the new
+// stream after the old one's last revision and skip everything below it.
+func TestBucketRecreatedBetweenChecks(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	b := createBucket(t, js)
+	for i := 0; i < 20; i++ {
+		put(t, b, "dev-"+strconv.Itoa(i), "group-old")
+	}
+	tb := newTable(t, b, kv.Config{RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond, CheckInterval: 200 * time.Millisecond})
+	run(t, tb)
+	waitReady(t, tb)
+
+	ctx := context.Background()
+	if err := js.DeleteKeyValue(ctx, "device-groups"); err != nil {
+		t.Fatalf("DeleteKeyValue: %v", err)
+	}
+	b = createBucket(t, js)
+	rev := put(t, b, "dev-1", "group-new") // revision 1, far below the old stream's 20
+	natstest.Eventually(t, wait, hasEntry(tb, "dev-1", kv.Entry{Group: "group-new", Revision: rev}))
+	natstest.Eventually(t, wait, absent(tb, "dev-2"))
+	if got := tb.Revision(); got != rev {
+		t.Errorf("Revision() = %d after the recreate, want %d", got, rev)
+	}
 }
 
 func TestRunTwice(t *testing.T) {

@@ -20,6 +20,16 @@ var errWatchStopped = errors.New("kv: watcher stopped")
 // consumer otherwise takes about 20 s to notice that its consumer is gone.
 var errWatchStalled = errors.New("kv: watcher stalled")
 
+// errBucketRecreated ends a watch whose bucket was deleted and created again between two checks:
+// nats.go's ordered consumer would resume the new stream at the old stream's last sequence and
+// skip every revision below it.
+var errBucketRecreated = errors.New("kv: bucket was deleted and created again")
+
+// stuckAfterCancel bounds the wait for nats.go to close a cancelled watcher's channel. WatchAll
+// has a narrow race (its context can end before it sets the subscription's closed handler) in
+// which it never does; the watch then gives up on the channel rather than hang shutdown.
+const stuckAfterCancel = 5 * time.Second
+
 // Run watches the bucket until ctx is done (returns nil) or the watch fails for good (returns a
 // wrapped error: the connection is closed). It returns only after the goroutines it started have
 // exited. If the watch stops or cannot start (server restart, bucket deleted, JetStream
@@ -48,7 +58,7 @@ func (t *Table) Run(ctx context.Context) error {
 			t.log.Error().Err(err).Str("bucket", t.bucket.Bucket()).Int("devices", t.Len()).
 				Str("fix", "create the bucket: nats kv add "+t.bucket.Bucket()+" (or kvmapper setup)").
 				Dur("retry_in", backoff).Msg("groups bucket not found; serving the last table")
-		case errors.Is(err, errWatchStopped), errors.Is(err, errWatchStalled):
+		case errors.Is(err, errWatchStopped), errors.Is(err, errWatchStalled), errors.Is(err, errBucketRecreated):
 			t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Dur("retry_in", backoff).
 				Msg("groups watcher lost; re-watching")
 		default:
@@ -78,48 +88,79 @@ func (t *Table) watch(ctx context.Context) (caughtUp bool, err error) {
 	// on it, so it is cancelled whenever this watch ends.
 	wctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	if t.gen == 0 {
-		// The bucket's message count (history and markers included) bounds the device count.
-		sctx, scancel := context.WithTimeout(ctx, max(t.checkEvery, time.Second))
-		if status, err := t.bucket.Status(sctx); err == nil && status.Values() > 0 {
+	// Where the bucket's stream ends now: the initial load is done once the watcher reaches it,
+	// even if writes keep coming (then the server never reports nothing pending).
+	var startLast uint64
+	var created time.Time
+	sctx, scancel := context.WithTimeout(ctx, max(t.checkEvery, time.Second))
+	if status, err := t.bucket.Status(sctx); err == nil {
+		if t.gen == 0 && status.Values() > 0 {
+			// The bucket's message count (history and markers included) bounds the device count.
 			t.presize(status.Values())
 		}
-		scancel()
+		if bs, ok := status.(*jetstream.KeyValueBucketStatus); ok {
+			startLast, created = bs.StreamInfo().State.LastSeq, bs.StreamInfo().Created
+		}
 	}
+	scancel()
 	w, err := t.bucket.WatchAll(wctx)
 	if err != nil {
 		return false, err
 	}
 	t.watchRev.Store(0)
 	var wg sync.WaitGroup
-	wg.Go(func() { t.check(wctx, cancel) })
+	wg.Go(func() { t.check(wctx, cancel, created) })
 	defer func() {
 		cancel(nil)
 		wg.Wait()
 	}()
 	t.gen++
-	resync := t.isReady()
+	// A re-watch sweeps the devices it did not see, whether or not the earlier watch had
+	// finished loading: whatever that watch wrote may be gone from the bucket.
+	resync := t.gen > 1
 	marker := false
-	var pending uint64
-	// Ranging until the channel closes is also the shutdown path: cancelling wctx unsubscribes,
+	var pending, seen uint64
+	// Draining until the channel closes is also the shutdown path: cancelling wctx unsubscribes,
 	// and nats.go closes the channel only after its delivery callback, which blocks on a full
-	// channel, has returned. Stopping the drain early would leave that goroutine stuck.
-	for e := range w.Updates() {
+	// channel, has returned. Stopping the drain early would leave that goroutine stuck — unless
+	// nats.go never closes it (stuckAfterCancel).
+	updates, done := w.Updates(), wctx.Done()
+	var stuck <-chan time.Time
+loop:
+	for {
+		var e jetstream.KeyValueEntry
+		select {
+		case u, ok := <-updates:
+			if !ok {
+				break loop
+			}
+			e = u
+		case <-done:
+			done, stuck = nil, time.After(stuckAfterCancel)
+			continue
+		case <-stuck:
+			t.log.Warn().Msg("groups watcher did not close after cancel; leaving it")
+			break loop
+		}
 		if e == nil {
 			marker = true
 		} else {
 			t.apply(e, !caughtUp)
 			t.watchRev.Store(e.Revision())
-			pending = e.Delta()
+			pending, seen = e.Delta(), max(seen, e.Revision())
 		}
 		// The nil marker can come before the last initial value (nats.go counts delivered
 		// messages, which a consumer reset can inflate), so the load is done only once the
-		// server also reports nothing pending.
-		if !caughtUp && marker && pending == 0 {
+		// server also reports nothing pending, or the watcher has reached where the stream
+		// ended when the watch began.
+		if !caughtUp && marker && (pending == 0 || (startLast > 0 && seen >= startLast)) {
 			caughtUp = true
 			if resync {
 				if n := t.sweep(); n > 0 {
 					t.log.Info().Int("removed", n).Msg("groups re-watch removed devices no longer in the bucket")
+				}
+				if seen < t.rev.Load() {
+					t.rev.Store(seen) // the bucket was recreated: its revisions started again
 				}
 			}
 			t.markReady()
@@ -139,7 +180,7 @@ func (t *Table) watch(ctx context.Context) (caughtUp bool, err error) {
 // check asks the server every check interval whether the bucket exists and the watcher keeps
 // up, and cancels the watch with the reason when not. Errors reaching the server are ignored:
 // the connection reconnects on its own and the watcher with it.
-func (t *Table) check(ctx context.Context, cancel context.CancelCauseFunc) {
+func (t *Table) check(ctx context.Context, cancel context.CancelCauseFunc, created time.Time) {
 	ticker := time.NewTicker(t.checkEvery)
 	defer ticker.Stop()
 	var last, prevRev uint64 // as of the previous successful check
@@ -165,13 +206,23 @@ func (t *Table) check(ctx context.Context, cancel context.CancelCauseFunc) {
 		// reached it nor delivered anything since, it is stuck. Each last revision triggers at
 		// most one re-watch, so a last message removed without a marker (which no watcher will
 		// ever deliver) cannot make every re-watch look stuck.
+		info := bs.StreamInfo()
+		if created.IsZero() {
+			created = info.Created
+		} else if !info.Created.Equal(created) {
+			cancel(errBucketRecreated)
+			return
+		}
+		if info.State.LastSeq < t.stalledAt {
+			t.stalledAt = 0 // the stream's revisions started again
+		}
 		rev := t.watchRev.Load()
 		if checked && rev < last && rev == prevRev && last > t.stalledAt {
 			t.stalledAt = last
 			cancel(fmt.Errorf("%w: revision %d written, watcher at %d", errWatchStalled, last, rev))
 			return
 		}
-		last, prevRev, checked = bs.StreamInfo().State.LastSeq, rev, true
+		last, prevRev, checked = info.State.LastSeq, rev, true
 	}
 }
 
