@@ -154,9 +154,10 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	}
 	if cfg.Wait > 0 && a.missing.Load() > 0 {
 		wctx, wcancel := context.WithTimeout(found, cfg.Wait)
-		var g errgroup.Group
-		g.Go(func() error { return out.follow(wctx) })
-		g.Go(func() error { return unm.follow(wctx) })
+		// One reader failing stops the other at once rather than at the end of the wait.
+		g, gctx := errgroup.WithContext(wctx)
+		g.Go(func() error { return out.follow(gctx) })
+		g.Go(func() error { return unm.follow(gctx) })
 		err := g.Wait()
 		wcancel()
 		if err != nil {

@@ -63,6 +63,11 @@ func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string,
 	}
 	it, err := cons.Messages(jetstream.PullMaxMessages(pullBatch))
 	if err != nil {
+		if ci := cons.CachedInfo(); ci != nil {
+			dctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			_ = js.DeleteConsumer(dctx, name, ci.Name) // best effort: InactiveThreshold is the fallback
+			cancel()
+		}
 		return nil, fmt.Errorf("audit: reading stream %s: %w", name, err)
 	}
 	return &reader{
