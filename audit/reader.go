@@ -2,6 +2,7 @@ package audit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -31,6 +32,8 @@ type reader struct {
 	stopAfter func() bool
 	startLast uint64 // LastSeq when opened
 	startMsgs uint64 // Msgs when opened
+	seen      bool   // catchUp has read a message
+	lastSeq   uint64 // the stream sequence of the last message catchUp read
 	subj      devParser
 	malformed string // the subject whose device token means nothing, or ""
 
@@ -108,18 +111,45 @@ func (r *reader) catchUp(ctx context.Context) error {
 		return nil
 	}
 	for {
-		m, err := r.it.Next()
+		m, err := r.it.Next(jetstream.NextMaxWait(idleCheck))
+		if errors.Is(err, nats.ErrTimeout) {
+			// Nothing came for a while: if what is left of the stream was removed meanwhile
+			// (limits, a purge), there is nothing more to wait for.
+			if done, err := r.drained(ctx); done || err != nil {
+				return err
+			}
+			continue
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
 			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
 		}
+		r.seen = true
 		sseq, pending := r.handle(m)
+		r.lastSeq = sseq
 		if sseq >= r.startLast || pending == 0 {
 			return nil
 		}
 	}
+}
+
+// idleCheck is how long catchUp waits for a message before it asks whether any are left.
+const idleCheck = 2 * time.Second
+
+// drained reports whether the stream holds nothing past what the reader has read.
+func (r *reader) drained(ctx context.Context) (bool, error) {
+	s, err := r.js.Stream(ctx, r.name)
+	if err != nil {
+		return false, fmt.Errorf("audit: reading stream %s: %w", r.name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return false, fmt.Errorf("audit: reading stream %s: %w", r.name, err)
+	}
+	st := info.State
+	return st.Msgs == 0 || (r.seen && st.LastSeq <= r.lastSeq), nil
 }
 
 // follow reads whatever arrives until wctx ends; the iterator is stopped then.
