@@ -332,12 +332,3 @@ func (t *Table) bumpRevision(rev uint64) {
 }
 
 func (t *Table) markReady() { t.readyOnce.Do(func() { close(t.ready) }) }
-
-func (t *Table) isReady() bool {
-	select {
-	case <-t.ready:
-		return true
-	default:
-		return false
-	}
-}
