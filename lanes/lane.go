@@ -197,9 +197,10 @@ func (l *lane) run(ctx context.Context) error {
 }
 
 // admit publishes d, for which the caller holds a token of the pool's semaphore, unless the
-// lease's clock has run out, or the connection was replaced while earlier publishes were in flight: their acknowledgements are
-// lost, and sending on the new connection first would reorder. Then it gives the token back,
-// fails the old publishes so that they are resent first, and returns false.
+// lease's clock has run out, or the connection was replaced while earlier publishes were in
+// flight: their acknowledgements are lost, and sending on the new connection first would
+// reorder. Then it gives the token back, fails the old publishes so that they are resent first,
+// and returns false.
 func (l *lane) admit(d delivery) bool {
 	if !l.valid() {
 		<-l.p.sem
@@ -254,140 +255,6 @@ func (l *lane) newEntry() *entry {
 		return e
 	}
 	return new(entry)
-}
-
-// recover waits until every in-flight publish has settled, then resends, in stream order, every
-// one that was not acknowledged. Messages the server had stored are dropped by OUTGOING as
-// duplicates of their Nats-Msg-Id; the others are stored now, in order. A message OUTGOING
-// refuses for good (too large, not allowed) is dead-lettered instead.
-func (l *lane) recover(ctx context.Context) error {
-	if err := l.settle(ctx); err != nil {
-		return nil // ctx is done: the caller stops the lane
-	}
-	l.popSettled()
-	var first error
-	for _, e := range l.q {
-		if e.err != nil {
-			first = e.err
-			break
-		}
-	}
-	if first == nil {
-		l.failed = false
-		return nil
-	}
-	l.p.failures.Add(1)
-	if l.backoff == 0 {
-		l.backoff = l.p.cfg.RetryBackoff
-	} else {
-		l.backoff = min(2*l.backoff, l.p.cfg.MaxRetryBackoff)
-	}
-	l.p.warn("publish", func(ev *zerolog.Event) {
-		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
-			Msg("publish failed; resending in order (if this persists, check that the OUTGOING and UNMAPPED streams exist and the server is reachable)")
-	})
-	t := time.NewTimer(l.backoff)
-	select {
-	case <-t.C:
-	case <-ctx.Done():
-		t.Stop()
-		return nil
-	}
-	l.failed = false
-	l.checkReorder()
-	gen := l.p.generation()
-	for _, e := range l.q {
-		if e.acked {
-			continue
-		}
-		if !l.valid() {
-			return ErrFenced
-		}
-		if l.p.generation() != gen {
-			// Reconnected during this pass: what was sent before may be lost, and sending more
-			// now could overtake it. The next round starts from the first unacknowledged.
-			l.expire(time.Now())
-			break
-		}
-		if reason, why := permanent(e.err); reason != "" {
-			if !l.refused(e, reason, why) {
-				continue // given up: counted and logged
-			}
-		}
-		l.p.retries.Add(1)
-		l.send(e)
-		if e.err != nil {
-			break // not even sent: the next round starts here
-		}
-	}
-	return nil
-}
-
-// refused handles a publish refused for good. A message for OUTGOING becomes a dead letter; a
-// dead letter refused in turn is resent stripped to its reason, error, subject and id headers
-// and no payload; if even that is refused, the lane gives up on it — counted as dropped and
-// logged as an error — rather than block the partition. It returns false when it gave up.
-// Whatever is dropped stays in INCOMING under the sequence the log names.
-func (l *lane) refused(e *entry, reason, why string) bool {
-	switch {
-	case e.reason == "":
-		l.p.warn("refused", func(ev *zerolog.Event) {
-			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
-				Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
-		})
-		l.redirect(e, reason, why)
-	case !e.stripped:
-		l.p.warn("refused-dead", func(ev *zerolog.Event) {
-			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("error", why).
-				Msg("UNMAPPED refused a dead letter; resending it without payload and original headers")
-		})
-		l.strip(e, why)
-	default:
-		l.p.dropped.Add(1)
-		l.log.Error().Uint64("seq", e.seq).Str("error", why).
-			Msg("UNMAPPED refused even a stripped dead letter; giving up on it (it stays in INCOMING at this sequence): check UNMAPPED's limits")
-		e.err, e.acked, e.reason = nil, true, ReasonDropped
-		return false
-	}
-	return true
-}
-
-// strip reduces a dead letter to what says why it is one: no payload, no original headers.
-func (l *lane) strip(e *entry, why string) {
-	old := e.msg.Header
-	hdr := nats.Header{
-		nats.MsgIdHdr: old[nats.MsgIdHdr],
-		HeaderReason:  old[HeaderReason],
-		HeaderSubject: []string{e.src.Subject()},
-	}
-	if v := old.Get(HeaderError); v != "" {
-		why = v + "; then: " + why
-	}
-	hdr[HeaderError] = []string{why}
-	e.msg = &nats.Msg{Subject: e.msg.Subject, Header: hdr}
-	e.stripped = true
-}
-
-// checkReorder looks, before a resend, for a failed publish followed by a stored one of the same
-// device: resending the first puts it behind the second. The server refuses single messages
-// only under duress (an ingest queue over 100k, a stream without a leader), and the lane keeps
-// in-flight far below that; if it happens anyway, it is counted and logged so that it is not
-// silent, and `kvmapper verify` names the messages.
-func (l *lane) checkReorder() {
-	var failed map[string]bool
-	for _, e := range l.q {
-		switch {
-		case e.err != nil && e.device != "":
-			if failed == nil {
-				failed = map[string]bool{}
-			}
-			failed[e.device] = true
-		case e.acked && !e.duplicate && failed[e.device]:
-			l.p.reorders.Add(1)
-			l.log.Error().Uint64("seq", e.seq).Str("device", e.device).
-				Msg("a message was stored after an earlier one of its device was refused: their order in OUTGOING is reversed (the server refused single messages; check its limits)")
-		}
-	}
 }
 
 // stop drains the lane: it waits (up to DrainTimeout) for the in-flight publishes, resending in

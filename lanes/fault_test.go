@@ -1,0 +1,88 @@
+package lanes_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+)
+
+func TestReleasedWhileResendingStopsPromptly(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	pool, stop := f.run(lanes.Config{DrainTimeout: time.Second, MaxRetryBackoff: 50 * time.Millisecond}, nil)
+	if err := f.js.DeleteStream(context.Background(), "OUTGOING"); err != nil {
+		t.Fatal(err)
+	}
+	f.publish([]string{"dev-1"}, 5, nil)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if pool.Stats().Failures == 0 {
+			return errors.New("no publish failure yet")
+		}
+		return nil
+	})
+	done := make(chan map[int]error, 1)
+	go func() { done <- stop() }()
+	select {
+	case errs := <-done:
+		for p, err := range errs {
+			if err != nil {
+				t.Errorf("Run(%d) = %v, want nil after a release", p, err)
+			}
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("lanes did not stop within 10s of their release while resending (DrainTimeout 1s)")
+	}
+}
+
+func TestDeadLetterRefusedByUnmapped(t *testing.T) {
+	for name, tc := range map[string]struct {
+		maxMsgSize int32
+		stored     bool // the stripped dead letter fits
+	}{
+		"stripped": {maxMsgSize: 400, stored: true},
+		"gives up": {maxMsgSize: 16, stored: false},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			ctx := context.Background()
+			s, err := f.js.Stream(ctx, "UNMAPPED")
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := s.CachedInfo().Config
+			cfg.MaxMsgSize = tc.maxMsgSize
+			if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+			f.groups.set("good", "g")
+			pool, _ := f.run(lanes.Config{MaxRetryBackoff: 50 * time.Millisecond}, nil)
+			big := []byte("nobody:0:" + strings.Repeat("x", 1000))
+			if _, err := f.js.Publish(ctx, "incoming.nobody.evt", big); err != nil {
+				t.Fatal(err)
+			}
+			f.publish([]string{"good"}, 3, nil)
+			// The partition is not blocked: later messages still go through.
+			checkOrder(t, f.read("OUTGOING", 3), []string{"good"}, 3, func(string) string { return "outgoing.g.good.evt" })
+			if tc.stored {
+				dl := f.read("UNMAPPED", 1)[0]
+				h := dl.Headers()
+				if len(dl.Data()) != 0 || h.Get(lanes.HeaderReason) != lanes.ReasonNoMapping || h.Get("Nats-Msg-Id") != "INCOMING:1" || h.Get(lanes.HeaderError) == "" {
+					t.Errorf("stripped dead letter: %d bytes, headers %v", len(dl.Data()), h)
+				}
+				return
+			}
+			natstest.Eventually(t, 10*time.Second, func() error {
+				if n := pool.Stats().Dropped; n != 1 {
+					return fmt.Errorf("Stats().Dropped = %d, want 1", n)
+				}
+				return nil
+			})
+		})
+	}
+}
