@@ -88,7 +88,8 @@ func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, fu
 	f.t.Helper()
 	cfg.Layout = f.lay
 	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
-		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.DebugLevel).With().Timestamp().Logger()
+		lvl, _ := zerolog.ParseLevel(os.Getenv("KVMAPPER_TEST_LOG"))
+		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(lvl).With().Timestamp().Logger()
 	}
 	if cfg.CheckpointInterval == 0 {
 		cfg.CheckpointInterval = 20 * time.Millisecond
@@ -257,4 +258,32 @@ func (f *fixture) checkpoint(p int) uint64 {
 		f.t.Fatal(err)
 	}
 	return n
+}
+
+// waitOrDump waits until stream holds want messages and, if it does not within timeout, fails
+// with what every lane and stream says about itself.
+func (f *fixture) waitOrDump(pool *lanes.Pool, stream string, want uint64, timeout time.Duration) {
+	f.t.Helper()
+	count := func(name string) uint64 {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		s, err := f.js.Stream(ctx, name)
+		if err != nil {
+			return 0
+		}
+		info, err := s.Info(ctx)
+		if err != nil {
+			return 0
+		}
+		return info.State.Msgs
+	}
+	deadline := time.Now().Add(timeout)
+	for count(stream) < want {
+		if time.Now().After(deadline) {
+			f.t.Fatalf("%s holds %d of %d after %v; UNMAPPED %d; INCOMING %d\nstats %+v\nlanes %+v",
+				stream, count(stream), want, timeout, count("UNMAPPED"), count("INCOMING"), pool.Stats(), pool.Partitions())
+		}
+		timer := time.NewTimer(20 * time.Millisecond)
+		<-timer.C
+	}
 }
