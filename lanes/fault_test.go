@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func TestReleasedWhileResendingStopsPromptly(t *testing.T) {
@@ -85,4 +86,60 @@ func TestDeadLetterRefusedByUnmapped(t *testing.T) {
 			})
 		})
 	}
+}
+
+// A lane whose checkpoint cannot be written stops taking new messages after MaxCheckpointAge,
+// so a takeover never has to resend more than OUTGOING's duplicate window recognises.
+func TestStaleCheckpointPausesIntake(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	pool, _ := f.run(lanes.Config{MaxCheckpointAge: 200 * time.Millisecond, CheckpointInterval: 20 * time.Millisecond}, nil)
+	f.publish([]string{"dev-1"}, 1, nil)
+	f.read("OUTGOING", 1)
+	ctx := context.Background()
+	// A sealed stream refuses every write at once: checkpoint writes fail, publishing does not.
+	s, err := f.js.Stream(ctx, "KV_kvmapper")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.CachedInfo().Config
+	cfg.Sealed = true
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	const more = 20_000
+	f.publishFrom([]string{"dev-1"}, 1, more, nil)
+	count := func() uint64 {
+		s, err := f.js.Stream(ctx, "OUTGOING")
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := s.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Msgs
+	}
+	// Paused: OUTGOING stops growing short of what INCOMING holds. (Without the pause the lane
+	// maps all of it: publishing to OUTGOING still works.)
+	var last uint64
+	natstest.Eventually(t, 20*time.Second, func() error {
+		n := count()
+		if n >= 1+more {
+			t.Fatalf("OUTGOING holds all %d messages: the lane never paused without checkpoints", n)
+		}
+		if n != last {
+			last = n
+			return fmt.Errorf("OUTGOING still growing: %d", n)
+		}
+		return nil
+	})
+	// The lane is alive, with messages waiting: paused, not dead.
+	p := subjects.Partition("dev-1", 16)
+	for _, st := range pool.Partitions() {
+		if st.Partition == p && st.Pending == 0 {
+			t.Errorf("lane %d: %+v, want messages pending behind the pause", p, st)
+		}
+	}
+	t.Logf("paused after %d of %d messages", last, 1+more)
 }
