@@ -206,18 +206,19 @@ func (l *lane) admit(d delivery) bool {
 		<-l.p.sem
 		return false // the loop stops the lane
 	}
-	if len(l.q) > 0 && l.q[0].gen != l.p.generation() {
+	gen := l.p.generation()
+	if len(l.q) > 0 && l.q[0].gen != gen {
 		<-l.p.sem
 		l.expire(time.Now())
 		return false
 	}
-	l.push(l.prepare(d))
+	l.push(l.prepare(d), gen)
 	return true
 }
 
 // push sends e and appends it to the in-flight queue; it holds one token of the pool's semaphore.
-func (l *lane) push(e *entry) {
-	l.send(e)
+func (l *lane) push(e *entry, gen uint64) {
+	l.send(e, gen)
 	l.q = append(l.q, e)
 	l.stats.inFlight.Store(int64(len(l.q)))
 }

@@ -42,11 +42,13 @@ func (l *lane) subscribeAcks() (func(), error) {
 	return func() { _ = sub.Unsubscribe() }, nil
 }
 
-// send publishes e. A failure to even send (disconnected, too large for the connection) marks
-// e failed.
-func (l *lane) send(e *entry) {
+// send publishes e; gen is the connection generation the caller read just before (it checked
+// it against the oldest publish in flight). A failure to even send (disconnected, too large for
+// the connection) marks e failed. The generation is read once more after the publish: two
+// locked reads of the connection's statistics per message, not three.
+func (l *lane) send(e *entry, gen uint64) {
 	e.acked, e.duplicate, e.err = false, false, nil
-	e.gen = l.p.generation()
+	e.gen = gen
 	e.sent = time.Now()
 	e.msg.Reply = l.inbox + strconv.FormatUint(e.seq, 10)
 	if err := l.p.nc.PublishMsg(e.msg); err != nil {

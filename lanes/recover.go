@@ -67,7 +67,7 @@ func (l *lane) recover(ctx context.Context) error {
 			}
 		}
 		l.p.retries.Add(1)
-		l.send(e)
+		l.send(e, gen)
 		if e.err != nil {
 			break // not even sent: the next round starts here
 		}
