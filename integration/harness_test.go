@@ -367,6 +367,15 @@ func perDevice(t *testing.T, msgs []jetstream.Msg, want map[string]int) map[stri
 	return got
 }
 
+// each says that every one of devices should have n messages, for perDevice.
+func each(devices []string, n int) map[string]int {
+	want := make(map[string]int, len(devices))
+	for _, d := range devices {
+		want[d] = n
+	}
+	return want
+}
+
 func deviceNames(prefix string, n int) []string {
 	out := make([]string, n)
 	for i := range out {

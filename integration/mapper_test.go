@@ -189,10 +189,7 @@ func TestDeletedKeyAndInvalidValuesGoToUnmapped(t *testing.T) {
 
 func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 	e := newEnv(t)
-	devs := deviceNames("dev-", 100)
-	for _, d := range devs {
-		e.put(d, "g")
-	}
+	devs := e.mappedDevices(100)
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 100)
 	m1 := e.startMapper("m1")
@@ -201,10 +198,7 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 	_, dup1 := m1.stoppedStats()
 	ld.publish(devs, 50)
 	m2 := e.startMapper("m2")
-	want := map[string]int{}
-	for _, d := range devs {
-		want[d] = 150
-	}
+	want := each(devs, 150)
 	perDevice(t, e.readStream("OUTGOING", 15_000, 60*time.Second), want)
 	m2.stop()
 	mapped2, dup2 := m2.stoppedStats()
@@ -218,10 +212,7 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 
 func TestServerRestartMidStream(t *testing.T) {
 	e := newEnv(t)
-	devs := deviceNames("dev-", 100)
-	for _, d := range devs {
-		e.put(d, "g")
-	}
+	devs := e.mappedDevices(100)
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 150)
 	m := e.startMapper("m1")
@@ -235,10 +226,7 @@ func TestServerRestartMidStream(t *testing.T) {
 	})
 	m.waitLog("reconnected to NATS", 30*time.Second)
 	ld.publish(devs, 50)
-	want := map[string]int{}
-	for _, d := range devs {
-		want[d] = 200
-	}
+	want := each(devs, 200)
 	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
 	m.stop()
 }

@@ -228,10 +228,7 @@ func TestSecurityPermissionViolationIsReportedOncePerSecondAndRetried(t *testing
 	if err := e.srv.ReloadOptions(&opts); err != nil {
 		t.Fatalf("ReloadOptions: %v", err)
 	}
-	want := map[string]int{}
-	for _, d := range devices {
-		want[d] = 100
-	}
+	want := each(devices, 100)
 	perDevice(t, e.readStream("OUTGOING", l.total(), 60*time.Second), want)
 	m.stop()
 	for _, v := range violations(m) {
