@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -82,14 +83,17 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	case err == nil:
 		l.cpRev, l.checkpointed, l.cpOK = rev, l.acked, time.Now()
 		l.stats.checkpoint.Store(l.acked)
+		l.unsure = l.unsure[:0]
 		return nil
-	case isConflict(err) && l.adopt(ctx, val):
-		l.checkpointed, l.cpOK = l.acked, time.Now()
-		l.stats.checkpoint.Store(l.acked)
-		return nil
+	case isConflict(err) && l.adopt(ctx):
+		return nil // the next tick writes again, on the adopted revision
 	case isConflict(err):
 		return fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)
 	default:
+		// The write may still have been applied (a timeout, a reconnect): remember what it said.
+		if len(l.unsure) < maxUnsure {
+			l.unsure = append(l.unsure, l.acked)
+		}
 		l.p.warn("checkpoint", func(e *zerolog.Event) {
 			e.Int("partition", l.a.Partition).Err(err).Msg("writing the checkpoint failed; will retry")
 		})
@@ -97,20 +101,28 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	}
 }
 
-// adopt handles a checkpoint conflict while the lease still holds by the lane's own clock: then
-// no other owner can have fenced the partition (a new owner claims only after the lease expired,
-// and Valid turns false before that), so the conflicting write can only be the lane's own
-// earlier one that timed out but was applied. If the stored value is the one it tried to write,
-// it takes that revision as its own and reports true.
-func (l *lane) adopt(ctx context.Context, want []byte) bool {
-	if !l.valid() {
+// maxUnsure bounds the checkpoint writes of unknown outcome a lane remembers.
+const maxUnsure = 64
+
+// adopt handles a checkpoint conflict that may be the lane's own doing: a write whose answer was
+// lost (a timeout, a reconnect) but which the server applied. If the lease still holds by the
+// lane's own clock and the stored value is one of those writes, the lane takes the stored
+// revision as its own and reports true. A new owner's fence writes back the value it read, which
+// could equal one of them too; but a new owner claims only after the lease expired on the
+// server, and the lane's clock says invalid before that.
+func (l *lane) adopt(ctx context.Context) bool {
+	if !l.valid() || len(l.unsure) == 0 {
 		return false
 	}
 	e, err := l.p.ctl.Get(ctx, l.key)
-	if err != nil || string(e.Value()) != string(want) {
+	if err != nil {
 		return false
 	}
-	l.cpRev = e.Revision()
+	stored, err := strconv.ParseUint(string(e.Value()), 10, 64)
+	if err != nil || !slices.Contains(l.unsure, stored) {
+		return false
+	}
+	l.cpRev, l.unsure = e.Revision(), l.unsure[:0]
 	return true
 }
 

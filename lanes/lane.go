@@ -63,6 +63,7 @@ type lane struct {
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
 	cpOK         time.Time // when the checkpoint was last written (or fenced)
+	unsure       []uint64  // checkpoints written since cpOK whose outcome is unknown
 
 	q       []*entry      // in flight, in stream order
 	failed  bool          // some entry failed: resend before sending anything new
