@@ -66,6 +66,7 @@ func verifyAction(c *cli.Context) error {
 		Incoming:    scfg.Incoming,
 		Outgoing:    scfg.Outgoing,
 		Unmapped:    scfg.Unmapped,
+		Control:     scfg.Control,
 		Wait:        wait,
 		MaxFindings: maxFindings,
 		Progress: func(read uint64) {

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -42,6 +43,9 @@ type Config struct {
 	Incoming string           // INCOMING stream name, default "INCOMING"; also the Nats-Msg-Id prefix
 	Outgoing string           // default "OUTGOING"
 	Unmapped string           // default "UNMAPPED"
+	// Control is the control bucket, default "kvmapper". Its creation time tells epochs that
+	// started again with a re-created bucket from a deposed owner's write.
+	Control string
 	// Wait, when positive and messages are missing after the outputs have been read up to their
 	// last sequence at the start, keeps consuming both outputs (continuing where it stopped) until
 	// nothing is missing or Wait has passed: for a mapper that is still catching up.
@@ -115,6 +119,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	cfg.Incoming = cmp.Or(cfg.Incoming, "INCOMING")
 	cfg.Outgoing = cmp.Or(cfg.Outgoing, "OUTGOING")
 	cfg.Unmapped = cmp.Or(cfg.Unmapped, "UNMAPPED")
+	cfg.Control = cmp.Or(cfg.Control, "kvmapper")
 	if cfg.MaxFindings == 0 {
 		cfg.MaxFindings = 20
 	}
@@ -206,9 +211,17 @@ type auditor struct {
 	incoming    uint64
 	seen        bitmap // seq-first, set when a copy is read
 	deleted     bitmap // seq-first, deleted at the start; nil when there were none
-	idPrefix    string
-	missing     atomic.Int64 // audited sequences not seen yet
-	allFound    context.CancelFunc
+	idPrefix    string // "<INCOMING>:<incarnation>:", see lanes.MsgIDPrefix
+	// legacyPrefix is "<INCOMING>:", the Nats-Msg-Id prefix written before ids named the
+	// incarnation of INCOMING; such ids stored after INCOMING was created are taken as its own,
+	// those stored before as an earlier incarnation's.
+	legacyPrefix string
+	inCreated    int64 // when INCOMING was created, Unix nanoseconds
+	// ctlCreated is when the control bucket was created (Unix nanoseconds), 0 when unknown:
+	// lease epochs start again with a new bucket.
+	ctlCreated int64
+	missing    atomic.Int64 // audited sequences not seen yet
+	allFound   context.CancelFunc
 
 	progressMu   sync.Mutex
 	progressRead uint64
@@ -224,7 +237,15 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 		return nil, fmt.Errorf("audit: reading the state of stream %s: %w", cfg.Incoming, err)
 	}
 	st := info.State
-	a := &auditor{cfg: cfg, idPrefix: cfg.Incoming + ":"}
+	a := &auditor{cfg: cfg, idPrefix: lanes.MsgIDPrefix(cfg.Incoming, lanes.Incarnation(info.Created)), legacyPrefix: cfg.Incoming + ":",
+		inCreated: info.Created.UnixNano()}
+	if kv, err := js.KeyValue(ctx, cfg.Control); err == nil {
+		if st, err := kv.Status(ctx); err == nil {
+			if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+				a.ctlCreated = bs.StreamInfo().Created.UnixNano()
+			}
+		}
+	}
 	if st.Msgs == 0 {
 		return a, nil
 	}

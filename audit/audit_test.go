@@ -62,7 +62,17 @@ type put struct {
 	unmapped  bool
 	malformed bool
 	epoch     uint64 // adds the provenance headers when not zero
-	id        string // Nats-Msg-Id instead of INCOMING:<seq>; "-" for none
+	id        string // Nats-Msg-Id instead of INCOMING:<incarnation>:<seq>; "-" for none, "legacy" for INCOMING:<seq>
+}
+
+// idPrefix is the Nats-Msg-Id prefix the mapper uses for INCOMING as it is now.
+func (e *env) idPrefix() string {
+	e.t.Helper()
+	s, err := e.js.Stream(context.Background(), "INCOMING")
+	if err != nil {
+		e.t.Fatalf("Stream(INCOMING): %v", err)
+	}
+	return lanes.MsgIDPrefix("INCOMING", lanes.Incarnation(s.CachedInfo().Created))
 }
 
 // out writes c as the mapper would and returns its stream sequence. It fails on a duplicate.
@@ -90,6 +100,8 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 	}
 	switch c.id {
 	case "":
+		m.Header.Set(nats.MsgIdHdr, e.idPrefix()+strconv.FormatUint(c.seq, 10))
+	case "legacy":
 		m.Header.Set(nats.MsgIdHdr, "INCOMING:"+strconv.FormatUint(c.seq, 10))
 	case "-":
 	default:
@@ -319,7 +331,56 @@ func TestForeign(t *testing.T) {
 		{Kind: audit.KindForeign, Device: "dev-1", Stream: "OUTGOING", StreamSeq: 2,
 			Detail: "no Nats-Msg-Id header (subject outgoing.g1.dev-1.temp)"},
 		{Kind: audit.KindForeign, Device: "dev-9", Stream: "OUTGOING", StreamSeq: 3,
-			Detail: `Nats-Msg-Id "OTHER:1" does not have the form INCOMING:<sequence> (subject outgoing.g1.dev-9.temp)`},
+			Detail: `Nats-Msg-Id "OTHER:1" does not have the form ` + e.idPrefix() + `<sequence> (subject outgoing.g1.dev-9.temp)`},
+	})
+}
+
+// Ids written before they named INCOMING's incarnation count as the current INCOMING's; ids of
+// an earlier INCOMING (deleted and created again) are foreign, not duplicates of the new one's.
+func TestIncarnations(t *testing.T) {
+	e := newEnv(t)
+	old := e.idPrefix()
+	s := e.in("dev-1", "dev-1")
+	e.out(put{seq: s[0], device: "dev-1", id: "legacy"})
+	e.out(put{seq: s[1], device: "dev-1"})
+	check(t, e.run(audit.Config{}), counts{Incoming: 2, Outgoing: 2, Devices: 1}, true, nil)
+
+	// INCOMING deleted and created again: its sequences start again at 1.
+	ctx := context.Background()
+	if err := e.js.DeleteStream(ctx, "INCOMING"); err != nil {
+		t.Fatalf("DeleteStream: %v", err)
+	}
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay}); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	if e.idPrefix() == old {
+		t.Fatalf("idPrefix() = %q after re-creating INCOMING, want another incarnation", old)
+	}
+	s = e.in("dev-1")
+	e.out(put{seq: s[0], device: "dev-1"})
+	rep := e.run(audit.Config{MaxFindings: -1})
+	check(t, rep, counts{Incoming: 1, Outgoing: 3, Devices: 1, Foreign: 2}, true, nil)
+}
+
+// A control bucket deleted and created again starts lease epochs again: lower epochs after its
+// creation are not a deposed owner's writes, but a lower epoch among those still is.
+func TestEpochsRestartWithTheControlBucket(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	s := e.in("dev-1", "dev-1", "dev-1", "dev-1")
+	e.out(put{seq: s[0], device: "dev-1", epoch: 7})
+	if err := e.js.DeleteKeyValue(ctx, "kvmapper"); err != nil {
+		t.Fatalf("DeleteKeyValue: %v", err)
+	}
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay}); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	e.out(put{seq: s[1], device: "dev-1", epoch: 3})
+	e.out(put{seq: s[2], device: "dev-1", epoch: 4})
+	stale := e.out(put{seq: s[3], device: "dev-1", epoch: 3})
+	check(t, e.run(audit.Config{}), counts{Incoming: 4, Outgoing: 4, Devices: 1, Stale: 1}, false, []audit.Finding{
+		{Kind: audit.KindStaleEpoch, Device: "dev-1", Seq: 4, Stream: "OUTGOING", StreamSeq: stale,
+			Detail: "partition 6 epoch 3 stored after epoch 4: a deposed owner's write"},
 	})
 }
 

@@ -42,6 +42,7 @@ type reader struct {
 	dev              map[string]int32
 	last             []uint64 // by dev index: the highest INCOMING sequence seen
 	epochs           []uint64 // by partition: the highest epoch seen; 0 for none
+	epochAt          []int64  // by partition: when the message with that epoch was stored
 	counts           map[string]uint64
 	findings         map[string][]Finding
 }
@@ -86,6 +87,7 @@ func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string,
 		malformed: malformed,
 		dev:       make(map[string]int32),
 		epochs:    make([]uint64, a.cfg.Layout.Partitions),
+		epochAt:   make([]int64, a.cfg.Layout.Partitions),
 		counts:    make(map[string]uint64),
 		findings:  make(map[string][]Finding),
 	}, nil
@@ -170,12 +172,13 @@ func (r *reader) follow(wctx context.Context) error {
 // handle checks one message and returns its stream sequence and the messages pending after it.
 // It does not allocate unless it records a finding or a new device.
 func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
-	sseq, pending, ok := subjects.ParseAckReply(m.Reply())
+	ack, ok := subjects.ParseAck(m.Reply())
 	if !ok {
 		if md, err := m.Metadata(); err == nil {
-			sseq, pending = md.Sequence.Stream, md.NumPending
+			ack = subjects.Ack{StreamSeq: md.Sequence.Stream, Pending: md.NumPending, Time: md.Timestamp.UnixNano()}
 		}
 	}
+	sseq, pending = ack.StreamSeq, ack.Pending
 	r.read++
 	if r.a.cfg.Progress != nil {
 		if r.unreported++; r.unreported == progressEvery {
@@ -191,6 +194,9 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 	}
 	id := hdr.Get(nats.MsgIdHdr)
 	seq, ok := parseID(id, r.a.idPrefix)
+	if !ok && ack.Time >= r.a.inCreated {
+		seq, ok = parseID(id, r.a.legacyPrefix)
+	}
 	if !ok {
 		if r.note(KindForeign) {
 			detail := "no Nats-Msg-Id header"
@@ -234,13 +240,13 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 		p, okP := parseUint(ps)
 		e, okE := parseUint(hdr.Get(lanes.HeaderEpoch))
 		if okP && okE && p < uint64(len(r.epochs)) {
-			if prev := r.epochs[p]; e < prev {
+			if prev := r.epochs[p]; e < prev && !r.a.epochsRestarted(r.epochAt[p], ack.Time) {
 				if r.note(KindStaleEpoch) {
 					r.add(Finding{Kind: KindStaleEpoch, Device: device, Seq: seq, StreamSeq: sseq,
 						Detail: fmt.Sprintf("partition %d epoch %d stored after epoch %d: a deposed owner's write", p, e, prev)})
 				}
 			} else {
-				r.epochs[p] = e
+				r.epochs[p], r.epochAt[p] = e, ack.Time
 			}
 		}
 	}
@@ -271,4 +277,12 @@ func (r *reader) devices(other *reader) int {
 		}
 	}
 	return n
+}
+
+// epochsRestarted tells whether a message stored at now may carry a lower epoch than one stored
+// at prevAt because the control bucket was created in between: lease revisions, and so epochs,
+// start again in a new bucket. Only the current bucket's creation is known: epochs that started
+// again more than once within one output are told apart at the last restart only.
+func (a *auditor) epochsRestarted(prevAt, now int64) bool {
+	return a.ctlCreated != 0 && prevAt < a.ctlCreated && now >= a.ctlCreated
 }

@@ -5,28 +5,38 @@ import (
 	"strings"
 )
 
-// ParseAckReply returns the stream sequence and the consumer's pending count from the reply
-// subject of a JetStream message, without allocating (jetstream.Msg.Metadata allocates). It
-// reads both forms the server uses:
+// Ack is what the reply subject of a JetStream message tells about it.
+type Ack struct {
+	StreamSeq uint64 // the message's sequence in its stream
+	// ConsumerSeq is the consumer's delivery sequence: 1 for the first message a consumer
+	// delivers, so an ordered consumer that recreated itself starts again at 1.
+	ConsumerSeq uint64
+	Pending     uint64 // messages left for the consumer after this one
+	Time        int64  // when the stream stored the message, in Unix nanoseconds
+}
+
+// ParseAck reads the reply subject of a JetStream message without allocating
+// (jetstream.Msg.Metadata allocates). It reads both forms the server uses:
 //
 //	$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>
 //	$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>[.<token>]
 //
 // ok is false when reply is neither.
-func ParseAckReply(reply string) (streamSeq, pending uint64, ok bool) {
+func ParseAck(reply string) (a Ack, ok bool) {
 	if !strings.HasPrefix(reply, "$JS.ACK.") {
-		return 0, 0, false
+		return Ack{}, false
 	}
-	var seqAt, pendingAt int
+	var seqAt int
 	switch n := strings.Count(reply, ".") + 1; {
 	case n == 9:
-		seqAt, pendingAt = 5, 8
+		seqAt = 5
 	case n >= 11:
-		seqAt, pendingAt = 7, 10
+		seqAt = 7
 	default:
-		return 0, 0, false
+		return Ack{}, false
 	}
-	var err1, err2 error
+	cseqAt, timeAt, pendingAt := seqAt+1, seqAt+2, seqAt+3
+	var err1, err2, err3, err4 error
 	for i := 0; i <= pendingAt; i++ {
 		tok := reply
 		if j := strings.IndexByte(reply, '.'); j >= 0 {
@@ -34,10 +44,24 @@ func ParseAckReply(reply string) (streamSeq, pending uint64, ok bool) {
 		}
 		switch i {
 		case seqAt:
-			streamSeq, err1 = strconv.ParseUint(tok, 10, 64)
+			a.StreamSeq, err1 = strconv.ParseUint(tok, 10, 64)
+		case cseqAt:
+			a.ConsumerSeq, err2 = strconv.ParseUint(tok, 10, 64)
+		case timeAt:
+			a.Time, err4 = strconv.ParseInt(tok, 10, 64)
 		case pendingAt:
-			pending, err2 = strconv.ParseUint(tok, 10, 64)
+			a.Pending, err3 = strconv.ParseUint(tok, 10, 64)
 		}
 	}
-	return streamSeq, pending, err1 == nil && err2 == nil
+	if err1 != nil || err2 != nil || err3 != nil || err4 != nil {
+		return Ack{}, false
+	}
+	return a, true
+}
+
+// ParseAckReply returns the stream sequence and the consumer's pending count from the reply
+// subject of a JetStream message, as [ParseAck] reads it.
+func ParseAckReply(reply string) (streamSeq, pending uint64, ok bool) {
+	a, ok := ParseAck(reply)
+	return a.StreamSeq, a.Pending, ok
 }

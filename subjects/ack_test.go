@@ -32,6 +32,21 @@ func TestParseAckReply(t *testing.T) {
 	}
 }
 
+func TestParseAckConsumerSeq(t *testing.T) {
+	for _, reply := range []string{
+		"$JS.ACK.INCOMING.cons_2.1.42.7.1700000000000000000.5",
+		"$JS.ACK.hub.ACCHASH.INCOMING.cons_2.1.42.7.1700000000000000000.5.rand",
+	} {
+		a, ok := subjects.ParseAck(reply)
+		if want := (subjects.Ack{StreamSeq: 42, ConsumerSeq: 7, Pending: 5, Time: 1700000000000000000}); !ok || a != want {
+			t.Errorf("ParseAck(%q) = %+v, %v; want %+v, true", reply, a, ok, want)
+		}
+	}
+	if _, ok := subjects.ParseAck("$JS.ACK.INCOMING.cons.1.42.x.1700000000000000000.5"); ok {
+		t.Error("ParseAck with a consumer sequence that is not a number: ok, want not ok")
+	}
+}
+
 func FuzzParseAckReply(f *testing.F) {
 	f.Add("$JS.ACK.INCOMING.cons.1.42.7.1700000000000000000.5")
 	f.Add("$JS.ACK.hub.ACCHASH.INCOMING.cons.1.42.7.1700000000000000000.5.rand")
