@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -219,7 +218,8 @@ func (r *replica) newObservers(cfg replicaConfig) error {
 			if err != nil {
 				return 0, err
 			}
-			return strconv.ParseUint(string(e.Value()), 10, 64)
+			cp, err := lanes.ParseCheckpoint(e.Value())
+			return cp.Seq, err
 		},
 		Logger: r.log.With().Str("component", "events").Logger(),
 	})

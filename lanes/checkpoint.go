@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -39,29 +38,58 @@ func (l *lane) fence(ctx context.Context) (uint64, error) {
 }
 
 func (l *lane) tryFence(ctx context.Context) (uint64, error) {
+	inc, st, err := l.p.incoming(ctx)
+	if err != nil {
+		return 0, err
+	}
 	e, err := l.p.ctl.Get(ctx, l.key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
-		rev, err := l.p.ctl.Create(ctx, l.key, []byte("0"))
+		rev, err := l.p.ctl.Create(ctx, l.key, Checkpoint{Incarnation: inc}.Append(nil))
 		if err != nil {
 			return 0, err
 		}
-		l.cpRev = rev
+		if st.Msgs > 0 {
+			l.log.Warn().Uint64("incoming_first", st.FirstSeq).Uint64("incoming_last", st.LastSeq).
+				Msg("no checkpoint for this partition: starting from its first message in INCOMING " +
+					"(a first run, or the control bucket was re-created: messages older than OUTGOING's " +
+					"duplicate window are then republished; kvmapper verify shows them)")
+		}
+		l.setPosition(inc, rev)
 		return 0, nil
 	}
 	if err != nil {
 		return 0, err
 	}
-	seq, err := strconv.ParseUint(string(e.Value()), 10, 64)
+	cp, err := ParseCheckpoint(e.Value())
 	if err != nil {
-		return 0, fmt.Errorf("%w: %s holds %q, not a stream sequence; set it with `nats kv put %s %s <sequence>`",
-			ErrInvalidConfig, l.key, e.Value(), e.Bucket(), l.key)
+		return 0, fmt.Errorf("%w: %s holds %q, not <incarnation>:<sequence>; set it with `nats kv put %s %s %s:<sequence>`",
+			ErrInvalidConfig, l.key, e.Value(), e.Bucket(), l.key, inc)
 	}
-	rev, err := l.p.ctl.Update(ctx, l.key, e.Value(), e.Revision())
+	switch cp.Incarnation {
+	case inc:
+	case "":
+		// Written before checkpoints named their stream: taken as this stream's, as it was
+		// when it was written.
+		l.log.Debug().Uint64("checkpoint", cp.Seq).Msg("checkpoint without incarnation taken as the current INCOMING's")
+	default:
+		l.log.Warn().Str("checkpoint", cp.String()).Str("incarnation", inc).Uint64("incoming_first", st.FirstSeq).
+			Msg("the checkpoint belongs to an earlier INCOMING stream (it was deleted and created again): " +
+				"starting this partition from the first message of the new stream")
+		cp.Seq = 0
+	}
+	cp.Incarnation = inc
+	rev, err := l.p.ctl.Update(ctx, l.key, cp.Append(nil), e.Revision())
 	if err != nil {
 		return 0, err
 	}
-	l.cpRev = rev
-	return seq, nil
+	l.setPosition(inc, rev)
+	return cp.Seq, nil
+}
+
+// setPosition records the incarnation of INCOMING the lane reads and the revision of its fence.
+func (l *lane) setPosition(inc string, rev uint64) {
+	l.inc, l.cpRev = inc, rev
+	l.idPrefix = MsgIDPrefix(l.p.cfg.Incoming, inc)
 }
 
 // checkpoint writes the acknowledged prefix if it moved, with compare-and-set on the revision of
@@ -72,12 +100,17 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	if l.acked == l.checkpointed {
 		return nil
 	}
+	return l.writeCheckpoint(ctx)
+}
+
+// writeCheckpoint writes the acknowledged prefix, moved or not; see [lane.checkpoint].
+func (l *lane) writeCheckpoint(ctx context.Context) error {
 	// Not cancelled with the lane: a write cut short by cancellation may still be applied, and the
 	// lane's next write would then conflict with its own and read as fencing.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	var b [20]byte
-	val := strconv.AppendUint(b[:0], l.acked, 10)
+	var b [48]byte
+	val := Checkpoint{Incarnation: l.inc, Seq: l.acked}.Append(b[:0])
 	rev, err := l.p.ctl.Update(ctx, l.key, val, l.cpRev)
 	switch {
 	case err == nil:
@@ -87,6 +120,11 @@ func (l *lane) checkpoint(ctx context.Context) error {
 		return nil
 	case isConflict(err) && l.adopt(ctx):
 		return nil // the next tick writes again, on the adopted revision
+	case isConflict(err) && l.restore(ctx, val):
+		l.checkpointed, l.cpOK = l.acked, time.Now()
+		l.stats.checkpoint.Store(l.acked)
+		l.unsure = l.unsure[:0]
+		return nil
 	case isConflict(err):
 		return fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)
 	default:
@@ -118,11 +156,30 @@ func (l *lane) adopt(ctx context.Context) bool {
 	if err != nil {
 		return false
 	}
-	stored, err := strconv.ParseUint(string(e.Value()), 10, 64)
-	if err != nil || !slices.Contains(l.unsure, stored) {
+	stored, err := ParseCheckpoint(e.Value())
+	if err != nil || stored.Incarnation != l.inc || !slices.Contains(l.unsure, stored.Seq) {
 		return false
 	}
 	l.cpRev, l.unsure = e.Revision(), l.unsure[:0]
+	return true
+}
+
+// restore writes the checkpoint again when its key is gone: the control bucket was deleted and
+// created again (or someone deleted the key). Without it the partition's next owner would start
+// from the first message of INCOMING. The write is a create, so it never overwrites a new
+// owner's fence, and it is done even when the lease is lost (the bucket took it along): what it
+// writes is a true acknowledged prefix, which the next owner then resumes after.
+func (l *lane) restore(ctx context.Context, val []byte) bool {
+	if _, err := l.p.ctl.Get(ctx, l.key); !errors.Is(err, jetstream.ErrKeyNotFound) {
+		return false
+	}
+	rev, err := l.p.ctl.Create(ctx, l.key, val)
+	if err != nil {
+		return false
+	}
+	l.log.Warn().Uint64("checkpoint", l.acked).
+		Msg("the checkpoint key was gone (control bucket re-created, or the key deleted): wrote it again from this lane's position")
+	l.cpRev = rev
 	return true
 }
 

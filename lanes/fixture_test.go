@@ -253,11 +253,11 @@ func (f *fixture) checkpoint(p int) uint64 {
 	if err != nil {
 		f.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
 	}
-	n, err := strconv.ParseUint(string(e.Value()), 10, 64)
+	cp, err := lanes.ParseCheckpoint(e.Value())
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	return n
+	return cp.Seq
 }
 
 // waitOrDump waits until stream holds want messages and, if it does not within timeout, fails

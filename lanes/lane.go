@@ -59,6 +59,7 @@ type lane struct {
 	log zerolog.Logger
 	key string // checkpoint.<p>
 
+	inc          string    // incarnation of INCOMING the lane reads (see [Incarnation])
 	cpRev        uint64    // revision of our last checkpoint write: the fence
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
@@ -70,9 +71,12 @@ type lane struct {
 	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
 	backoff time.Duration
 
-	free  []*entry       // settled entries, reused: most of a message's allocations are its entry
-	acks  chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
-	inbox string         // "<inbox>.": a reply subject is inbox + sequence
+	free []*entry       // settled entries, reused: most of a message's allocations are its entry
+	acks chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
+	// readErr carries the error that ended reading for good (INCOMING re-created); the reader
+	// and watchIncarnation send at most one between them, and nobody closes it.
+	readErr chan error
+	inbox   string // "<inbox>.": a reply subject is inbox + sequence
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
@@ -90,7 +94,6 @@ func newLane(p *Pool, a Assignment) *lane {
 		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
 		key:      CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
-		idPrefix: p.cfg.Incoming + ":",
 		timeout:  p.cfg.PublishTimeout,
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
@@ -123,6 +126,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer unsubscribe()
 	l.log.Debug().Uint64("from", start+1).Msg("lane started")
 
+	l.readErr = make(chan error, 1)
 	readCtx, stopReading := context.WithCancel(ctx)
 	in := make(chan delivery, 64)
 	var wg sync.WaitGroup
@@ -131,6 +135,7 @@ func (l *lane) run(ctx context.Context) error {
 		defer wg.Done()
 		l.read(readCtx, start+1, in)
 	}()
+	wg.Go(func() { l.watchIncarnation(readCtx) })
 	defer func() {
 		stopReading()
 		wg.Wait()
@@ -184,6 +189,9 @@ func (l *lane) run(ctx context.Context) error {
 			}
 		case semc <- struct{}{}:
 			holding = !l.admit(held)
+		case err := <-l.readErr:
+			stopReading()
+			return l.stop(err)
 		case m := <-l.acks:
 			l.acknowledge(m)
 		case now := <-tick.C:
@@ -294,7 +302,9 @@ func (l *lane) stop(why error) error {
 	l.stats.inFlight.Store(0)
 	cctx, ccancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer ccancel()
-	if err := l.checkpoint(cctx); err != nil && why == nil {
+	// Written even when the prefix did not move: a checkpoint key that vanished with a re-created
+	// control bucket is restored from this lane's position (see restore).
+	if err := l.writeCheckpoint(cctx); err != nil && why == nil {
 		why = err
 	}
 	ev := l.log.Debug()

@@ -52,7 +52,7 @@ func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
 	for k, want := range map[string][]string{
 		"X-Trace":               {"abc"},
 		"X-Multi":               {"one", "two"},
-		"Nats-Msg-Id":           {"INCOMING:1"},
+		"Nats-Msg-Id":           {f.msgID(1)},
 		lanes.HeaderOrigMsgID:   {"device-own-id"},
 		lanes.HeaderPartition:   {strconv.Itoa(p)},
 		lanes.HeaderEpoch:       {strconv.Itoa(100 + p)},
@@ -268,7 +268,7 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 	}
 	dl := f.read("UNMAPPED", 1)[0]
 	h := dl.Headers()
-	if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != "INCOMING:2" || h.Get(lanes.HeaderError) == "" {
+	if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID(2) || h.Get(lanes.HeaderError) == "" {
 		t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id INCOMING:2 and the server's error", h)
 	}
 	if dl.Subject() != "unmapped.dev-1.evt" {

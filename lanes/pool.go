@@ -58,6 +58,10 @@ type Config struct {
 	// takeover resends from the checkpoint, and only the window makes those resends duplicates.
 	// Default 1m.
 	MaxCheckpointAge time.Duration
+	// IncarnationCheck is how often a pool reads INCOMING's creation time, to notice a stream
+	// deleted and created again even when nothing is delivered from it (one request per pool
+	// per interval). Default 2s.
+	IncarnationCheck time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Logger receives structured logs. Default: none.
@@ -92,6 +96,9 @@ func (c *Config) setDefaults() error {
 	if c.MaxCheckpointAge == 0 {
 		c.MaxCheckpointAge = time.Minute
 	}
+	if c.IncarnationCheck == 0 {
+		c.IncarnationCheck = 2 * time.Second
+	}
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = 50 * time.Millisecond
 	}
@@ -103,7 +110,7 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: MaxInFlight %d must be at least 1", ErrInvalidConfig, c.MaxInFlight)
 	case c.MaxInFlight > 50_000:
 		return fmt.Errorf("%w: MaxInFlight %d must stay far below the server's ingest queue (100k); use at most 50000", ErrInvalidConfig, c.MaxInFlight)
-	case c.CheckpointInterval < 0, c.PublishTimeout < 0, c.DrainTimeout < 0, c.Heartbeat < 0, c.RetryBackoff < 0:
+	case c.CheckpointInterval < 0, c.PublishTimeout < 0, c.IncarnationCheck < 0, c.DrainTimeout < 0, c.Heartbeat < 0, c.RetryBackoff < 0:
 		return fmt.Errorf("%w: durations must be positive", ErrInvalidConfig)
 	}
 	return nil
@@ -140,6 +147,10 @@ type Pool struct {
 
 	lanesMu sync.Mutex
 	lanes   map[*lane]struct{}
+
+	incMu sync.Mutex // serialises the reads of INCOMING's incarnation; guards incAt and inc
+	incAt time.Time
+	inc   string
 
 	warnMu   sync.Mutex
 	warnLast map[string]time.Time

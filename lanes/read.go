@@ -3,6 +3,7 @@ package lanes
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"time"
 
@@ -21,6 +22,13 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	for ctx.Err() == nil {
 		err := l.consume(ctx, &next, out)
 		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, ErrIncomingRecreated) {
+			select {
+			case l.readErr <- err: // the lane stops on it
+			default: // watchIncarnation reported it first
+			}
 			return
 		}
 		l.p.warn("consume", func(e *zerolog.Event) {
@@ -62,16 +70,38 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 			}
 			return err
 		}
-		seq, pending, ok := subjects.ParseAckReply(m.Reply())
+		ack, ok := subjects.ParseAck(m.Reply())
 		if !ok {
 			return errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply()))
 		}
+		if ack.ConsumerSeq == 1 {
+			// The first message of a consumer: this one, or one the ordered consumer created for
+			// itself after a reset. A reset follows a deleted consumer, which is what deleting
+			// INCOMING does; a consumer recreated on a new INCOMING would go on at the old
+			// position, skipping the new stream's first messages.
+			if err := l.checkIncarnation(ctx); err != nil {
+				return err
+			}
+		}
 		select {
-		case out <- delivery{msg: m, seq: seq}:
-			*next = seq + 1
-			l.stats.pending.Store(pending)
+		case out <- delivery{msg: m, seq: ack.StreamSeq}:
+			*next = ack.StreamSeq + 1
+			l.stats.pending.Store(ack.Pending)
 		case <-ctx.Done():
 			return nil
 		}
 	}
+}
+
+// checkIncarnation returns [ErrIncomingRecreated] when INCOMING is no longer the stream the lane
+// fenced its checkpoint in.
+func (l *lane) checkIncarnation(ctx context.Context) error {
+	inc, _, err := l.p.incoming(ctx)
+	if err != nil {
+		return err
+	}
+	if inc != l.inc {
+		return fmt.Errorf("%w: partition %d was reading incarnation %s, INCOMING is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, inc)
+	}
+	return nil
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -94,7 +95,12 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	if err != nil {
 		return nil, fmt.Errorf("status: reading stream %s: %w", cfg.Incoming, err)
 	}
-	snap.Incoming = Stream{Name: cfg.Incoming, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq}
+	snap.Incoming = Stream{Name: cfg.Incoming, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
+		Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
+	for i := range snap.Partitions {
+		p := &snap.Partitions[i]
+		p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.Incoming.Incarnation
+	}
 	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
 		return nil, err
 	}
@@ -173,7 +179,9 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 			snap.Partitions[p].Owner = string(e.Value())
 			snap.Partitions[p].LeaseRevision = e.Revision()
 		case "checkpoint":
-			snap.Partitions[p].Checkpoint, _ = strconv.ParseUint(string(e.Value()), 10, 64)
+			if cp, err := lanes.ParseCheckpoint(e.Value()); err == nil {
+				snap.Partitions[p].Checkpoint, snap.Partitions[p].CheckpointIncarnation = cp.Seq, cp.Incarnation
+			}
 		}
 	}
 	slices.Sort(members)
@@ -245,11 +253,15 @@ func streamLag(ctx context.Context, stream jetstream.Stream, lay *subjects.Layou
 		if p.LagFrom != "" {
 			continue
 		}
-		if p.Checkpoint >= snap.Incoming.LastSeq {
+		from := p.Checkpoint
+		if p.StaleCheckpoint {
+			from = 0 // its next owner starts from the new stream's first message
+		}
+		if from >= snap.Incoming.LastSeq {
 			p.Lag, p.LagFrom = 0, "stream"
 			continue
 		}
-		n, err := pendingAfter(ctx, stream, lay.Filter(p.Partition), p.Checkpoint)
+		n, err := pendingAfter(ctx, stream, lay.Filter(p.Partition), from)
 		if err != nil {
 			return fmt.Errorf("status: counting partition %d in %s: %w", p.Partition, snap.Incoming.Name, err)
 		}

@@ -27,7 +27,11 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 		if p.Rate != nil {
 			rate = strconv.FormatFloat(*p.Rate, 'f', 1, 64)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\t\n", p.Partition, owner, orDash(p.Epoch), p.Checkpoint, lag, rate)
+		cp := strconv.FormatUint(p.Checkpoint, 10)
+		if p.StaleCheckpoint {
+			cp += " (earlier stream)"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t\n", p.Partition, owner, orDash(p.Epoch), cp, lag, rate)
 	}
 	fmt.Fprintln(tw)
 	fmt.Fprintln(tw, "REPLICA\tHOST\tVERSION\tUPTIME\tPARTITIONS\tMAPPED\tDEVICES\tTABLE REV\t")
@@ -57,6 +61,17 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 	}
 	if len(unowned) > 0 {
 		fmt.Fprintf(w, "unowned partitions: %s\n", strings.Join(unowned, ", "))
+	}
+	var stale []string
+	for _, p := range s.Partitions {
+		if p.StaleCheckpoint {
+			stale = append(stale, strconv.Itoa(p.Partition))
+		}
+	}
+	if len(stale) > 0 {
+		fmt.Fprintf(w, "partitions %s: checkpoint of an earlier %s (the stream was deleted and created again at %s); "+
+			"their owners start them from the new stream's first message\n",
+			strings.Join(stale, ", "), s.Incoming.Name, s.Incoming.Created.UTC().Format(time.RFC3339))
 	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
 	_, err := fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)

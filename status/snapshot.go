@@ -22,6 +22,13 @@ type Partition struct {
 	LeaseRevision uint64 `json:"lease_revision"`
 	// Checkpoint is checkpoint.<p>: the INCOMING sequence the partition has been republished up to.
 	Checkpoint uint64 `json:"checkpoint"`
+	// CheckpointIncarnation is the incarnation of INCOMING the checkpoint was written in ("" for
+	// a checkpoint written before checkpoints named it, taken as the current one's).
+	CheckpointIncarnation string `json:"checkpoint_incarnation,omitempty"`
+	// StaleCheckpoint is true when the checkpoint belongs to an earlier INCOMING, deleted and
+	// created again since: Checkpoint is then a position in the old stream, and the partition's
+	// next owner starts from the first message of the new one.
+	StaleCheckpoint bool `json:"stale_checkpoint,omitempty"`
 	// Acked is the owner's acknowledged prefix (ahead of Checkpoint by up to one checkpoint
 	// interval); 0 when the owner did not answer.
 	Acked uint64 `json:"acked"`
@@ -62,6 +69,10 @@ type Stream struct {
 	Messages uint64 `json:"messages"`
 	FirstSeq uint64 `json:"first_seq"`
 	LastSeq  uint64 `json:"last_seq"`
+	// Created is when the stream was created; Incarnation names that life of it, as checkpoints
+	// and Nats-Msg-Ids do.
+	Created     time.Time `json:"created"`
+	Incarnation string    `json:"incarnation"`
 }
 
 // position is how far the partition has got: the owner's acknowledged prefix when known, else
