@@ -118,6 +118,17 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 		ecfg.ReleaseTimeout = pool.DrainTimeout() + 10*time.Second
 	}
 	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
+		// The previous owner may have mapped with group values this replica's table has not
+		// applied yet; mapping before they land would send the partition's next messages back
+		// to the old group (I4). The lease stays held while the table catches up.
+		if err := table.CatchUp(ctx); err != nil {
+			if ctx.Err() != nil {
+				log.Info().Err(err).Int("partition", l.Partition).
+					Msg("partition ended before the groups table caught up")
+				return nil
+			}
+			return err
+		}
 		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
 	}, ecfg)
 	if err != nil {

@@ -123,6 +123,11 @@ type Table struct {
 	rev    atomic.Uint64
 	// watchRev is the highest revision the current watcher delivered, for the stall check.
 	watchRev atomic.Uint64
+	// loaded is the last completed load, nil before the first; CatchUp compares with it.
+	loaded atomic.Pointer[loadMark]
+	// wake is closed and cleared by the writer when rev or loaded advances; CatchUp creates it
+	// when it has to wait. nil when nobody waits.
+	wake atomic.Pointer[chan struct{}]
 
 	ready     chan struct{}
 	readyOnce sync.Once
@@ -208,8 +213,10 @@ func (t *Table) Lookup(device string) (e Entry, ok bool) {
 // Len returns the number of devices in the table, invalid ones included.
 func (t *Table) Len() int { return int(t.n.Load()) }
 
-// Revision returns the highest KV revision applied. It does not go back if the bucket is
-// recreated.
+// Revision returns the highest KV revision (stream sequence of the bucket) the table has applied,
+// delete and purge markers included; the watcher applies revisions in stream order, so every
+// earlier one is applied too. When the bucket was deleted and created again it goes back to the
+// new bucket's revision once the table has reloaded it.
 func (t *Table) Revision() uint64 { return t.rev.Load() }
 
 func (t *Table) shard(device string) *shard {
@@ -328,6 +335,7 @@ func (t *Table) presize(n uint64) {
 func (t *Table) bumpRevision(rev uint64) {
 	if rev > t.rev.Load() {
 		t.rev.Store(rev) // single writer
+		t.advanced()
 	}
 }
 

@@ -163,6 +163,7 @@ loop:
 					t.rev.Store(seen) // the bucket was recreated: its revisions started again
 				}
 			}
+			t.markLoaded(created, startLast)
 			t.markReady()
 			t.log.Debug().Int("devices", t.Len()).Uint64("revision", t.Revision()).Bool("resync", resync).
 				Msg("groups loaded")
