@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/status"
 )
 
@@ -68,8 +69,8 @@ func TestObserve(t *testing.T) {
 			if err != nil {
 				return fmt.Errorf("checkpoint.%d: %w", p.Partition, err)
 			}
-			if kv, _ := strconv.ParseUint(string(ent.Value()), 10, 64); kv != p.Checkpoint {
-				return fmt.Errorf("partition %d: status checkpoint %d, bucket %d", p.Partition, p.Checkpoint, kv)
+			if cp, err := lanes.ParseCheckpoint(ent.Value()); err != nil || cp.Seq != p.Checkpoint {
+				return fmt.Errorf("partition %d: status checkpoint %d, bucket %q (%v)", p.Partition, p.Checkpoint, ent.Value(), err)
 			}
 			if p.Epoch == 0 {
 				return fmt.Errorf("partition %d: no epoch", p.Partition)
