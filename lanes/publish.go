@@ -185,9 +185,12 @@ func (l *lane) wait(ctx context.Context) error {
 }
 
 var (
-	ackError     = []byte(`"error"`)
-	ackDuplicate = []byte(`"duplicate":true`)
-	ackSeq       = []byte(`"seq"`)
+	ackError = []byte(`"error"`)
+	// nats-server 2.15 writes `"duplicate": true` (stream.go, processJetStreamMsg); an encoder
+	// writes it without the space.
+	ackDuplicate        = []byte(`"duplicate": true`)
+	ackDuplicateCompact = []byte(`"duplicate":true`)
+	ackSeq              = []byte(`"seq"`)
 )
 
 // parseAck reads a JetStream publish acknowledgement without decoding JSON on the happy path:
@@ -212,5 +215,5 @@ func parseAck(m *nats.Msg) (duplicate bool, err error) {
 	if !bytes.Contains(m.Data, ackSeq) {
 		return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
 	}
-	return bytes.Contains(m.Data, ackDuplicate), nil
+	return bytes.Contains(m.Data, ackDuplicate) || bytes.Contains(m.Data, ackDuplicateCompact), nil
 }
