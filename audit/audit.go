@@ -239,12 +239,9 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 	st := info.State
 	a := &auditor{cfg: cfg, idPrefix: lanes.MsgIDPrefix(cfg.Incoming, lanes.Incarnation(info.Created)), legacyPrefix: cfg.Incoming + ":",
 		inCreated: info.Created.UnixNano()}
-	if kv, err := js.KeyValue(ctx, cfg.Control); err == nil {
-		if st, err := kv.Status(ctx); err == nil {
-			if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
-				a.ctlCreated = bs.StreamInfo().Created.UnixNano()
-			}
-		}
+	// A control bucket that cannot be read leaves ctlCreated 0: epochs are then compared as they are.
+	if cs, err := js.Stream(ctx, "KV_"+cfg.Control); err == nil {
+		a.ctlCreated = cs.CachedInfo().Created.UnixNano()
 	}
 	if st.Msgs == 0 {
 		return a, nil
