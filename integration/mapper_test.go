@@ -215,9 +215,15 @@ func TestServerRestartMidStream(t *testing.T) {
 	devs := e.mappedDevices(100)
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 150)
-	m := e.startMapper("m1")
-	waitAtLeast(t, e, "OUTGOING", 1000)
+	backlog := ld.total()
+	w := e.tapWire()
+	m := e.startMapper("m1", "--metrics-listen", "127.0.0.1:0")
+	metrics := m.metricsURL()
+	// Restart the server the moment the mapper has sent a thousand of the backlog: its lanes
+	// have thousands of publishes in flight then, whose acknowledgements the restart loses.
+	w.await(1000, 60*time.Second)
 	e.srv = e.srv.Restart()
+	atRestart := w.count()
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if !e.nc.IsConnected() {
 			return fmt.Errorf("test client not reconnected")
@@ -228,6 +234,14 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld.publish(devs, 50)
 	want := each(devs, 200)
 	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
+	// The restart must have hit publishes in flight: they failed and were resent. A restart
+	// when everything was already mapped would leave both counters at zero.
+	failures := metric(t, metrics, "kvmapper_publish_failures_total")[""]
+	retries := metric(t, metrics, "kvmapper_publish_retries_total")[""]
+	t.Logf("restart after %d of the %d-message backlog had been sent: %v publish failures, %v messages resent", atRestart, backlog, failures, retries)
+	if failures == 0 || retries == 0 {
+		t.Errorf("kvmapper_publish_failures_total = %v, kvmapper_publish_retries_total = %v, want both > 0: the restart hit no publish in flight, so this test proved nothing", failures, retries)
+	}
 	m.stop()
 }
 
