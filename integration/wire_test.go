@@ -1,6 +1,8 @@
 package integration
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -10,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
@@ -167,16 +170,50 @@ func (w *wire) since(i int) []*nats.Msg {
 }
 
 // provenance reads a publish's partition, epoch and INCOMING sequence from its headers.
-func provenance(t *testing.T, m *nats.Msg) (p int, epoch, seq uint64) {
+func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, seq uint64) {
 	t.Helper()
-	p, err1 := strconv.Atoi(m.Header.Get(lanes.HeaderPartition))
-	epoch, err2 := strconv.ParseUint(m.Header.Get(lanes.HeaderEpoch), 10, 64)
-	id := m.Header.Get(nats.MsgIdHdr)
+	p, err1 := strconv.Atoi(hdr.Get(lanes.HeaderPartition))
+	epoch, err2 := strconv.ParseUint(hdr.Get(lanes.HeaderEpoch), 10, 64)
+	id := hdr.Get(nats.MsgIdHdr)
 	seq, err3 := strconv.ParseUint(strings.TrimPrefix(id, "INCOMING:"), 10, 64)
 	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, "INCOMING:") {
-		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<seq>", m.Subject, m.Header)
+		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<seq>", subject, hdr)
 	}
 	return p, epoch, seq
+}
+
+// partitionSeqs reads the first n messages of INCOMING and returns each partition's stream
+// sequences, in order (the server stamps the partition as the subject's second token).
+func (e *env) partitionSeqs(n int) map[int][]uint64 {
+	e.t.Helper()
+	out := map[int][]uint64{}
+	for _, m := range e.readStream("INCOMING", n, 30*time.Second)[:n] {
+		tok := strings.Split(m.Subject(), ".")
+		p, err := strconv.Atoi(tok[1])
+		md, merr := m.Metadata()
+		if err != nil || merr != nil {
+			e.t.Fatalf("INCOMING message on %s: partition %v, metadata %v", m.Subject(), err, merr)
+		}
+		out[p] = append(out[p], md.Sequence.Stream)
+	}
+	return out
+}
+
+// checkpoint returns partition p's checkpoint in the control bucket, 0 when there is none.
+func (e *env) checkpoint(p int) uint64 {
+	e.t.Helper()
+	ent, err := e.ctl.Get(context.Background(), lanes.CheckpointKey(p))
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return 0
+	}
+	if err != nil {
+		e.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
+	}
+	cp, err := strconv.ParseUint(string(ent.Value()), 10, 64)
+	if err != nil {
+		e.t.Fatalf("%s = %q: %v", lanes.CheckpointKey(p), ent.Value(), err)
+	}
+	return cp
 }
 
 // metric returns the samples of a metric on a replica's /metrics, by their label set
