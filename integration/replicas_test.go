@@ -115,20 +115,20 @@ func (lw *leaseWatch) waitBalanced(t *testing.T, replicas ...string) map[int]str
 	return lw.snapshot()
 }
 
-// steadyLoad publishes to every device in rounds, paced, until stopped.
+// steadyLoad publishes to every device in rounds, paced, until stopped. Each round waits for
+// INCOMING to acknowledge all of its messages.
 type steadyLoad struct {
 	stop chan struct{}
 	done chan struct{}
 	mu   sync.Mutex
 	sent map[string]int
-	err  error
+	err  error // why the generator stopped early; read after done is closed
 }
 
 func (e *env) startLoad(devices []string, every time.Duration) *steadyLoad {
 	sl := &steadyLoad{stop: make(chan struct{}), done: make(chan struct{}), sent: map[string]int{}}
 	// Its own connection: the test's may be busy reading.
-	nc, js := e.srv.JetStream(e.t, nats.MaxReconnects(-1))
-	_ = nc
+	_, js := e.srv.JetStream(e.t, nats.MaxReconnects(-1))
 	go func() {
 		defer close(sl.done)
 		tick := time.NewTicker(every)
@@ -146,7 +146,7 @@ func (e *env) startLoad(devices []string, every time.Duration) *steadyLoad {
 				sl.mu.Unlock()
 				fut, err := js.PublishAsync("incoming."+d+".evt", []byte(d+":"+strconv.Itoa(n)))
 				if err != nil {
-					sl.err = err
+					sl.err = fmt.Errorf("publishing %s:%d to INCOMING: %w", d, n, err)
 					return
 				}
 				futs = append(futs, fut)
@@ -158,7 +158,7 @@ func (e *env) startLoad(devices []string, every time.Duration) *steadyLoad {
 				select {
 				case <-f.Ok():
 				case err := <-f.Err():
-					sl.err = err
+					sl.err = fmt.Errorf("INCOMING did not acknowledge %q: %w", f.Msg().Data, err)
 					return
 				}
 			}
@@ -179,6 +179,18 @@ func (sl *steadyLoad) halt() map[string]int {
 	sl.mu.Lock()
 	defer sl.mu.Unlock()
 	return sl.sent
+}
+
+// finish is halt for a test that goes on to check the messages: it fails the test when the
+// generator stopped early, since a message whose publish failed may or may not be in INCOMING
+// and the counts would not say what to expect.
+func (sl *steadyLoad) finish(t *testing.T) map[string]int {
+	t.Helper()
+	sent := sl.halt()
+	if sl.err != nil {
+		t.Fatalf("load generator stopped early after %d messages: %v", sl.total(), sl.err)
+	}
+	return sent
 }
 
 func (sl *steadyLoad) total() int {
@@ -289,11 +301,7 @@ func TestThreeReplicasKillNineTakeover(t *testing.T) {
 	if p99 > 3*time.Second {
 		t.Errorf("unowned gap p99 %v, want well under lease TTL (1s) + 2s", p99)
 	}
-	sent := load.halt()
-	if load.err != nil {
-		t.Fatalf("load: %v", load.err)
-	}
-	e.audit(sent)
+	e.audit(load.finish(t))
 }
 
 func TestStoppedOwnerFencesItself(t *testing.T) {
@@ -322,8 +330,7 @@ func TestStoppedOwnerFencesItself(t *testing.T) {
 	// On waking, r0 sees its lease clock has run out and stops those partitions on its own.
 	r0.waitLog("partition lease lost", 10*time.Second)
 	lw.waitBalanced(t, "r0", "r1")
-	sent := load.halt()
-	e.audit(sent)
+	e.audit(load.finish(t))
 	r0.stop()
 	r1.stop()
 }
@@ -364,8 +371,7 @@ func TestJoinLeaveAndRollingRestartSendNothingTwice(t *testing.T) {
 		reps[id] = e.startMapper(id)
 		lw.waitBalanced(t, ids...)
 	}
-	sent := load.halt()
-	e.audit(sent)
+	e.audit(load.finish(t))
 	for _, id := range ids {
 		reps[id].stop()
 		stopped = append(stopped, reps[id])
