@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -192,11 +193,48 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 	devs := e.mappedDevices(100)
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 100)
+	first := ld.total()
+	w := e.tapWire()
 	m1 := e.startMapper("m1")
-	waitAtLeast(t, e, "OUTGOING", 2000)
-	m1.stop() // mid-stream: SIGTERM drains and checkpoints
-	_, dup1 := m1.stoppedStats()
+	// SIGTERM the moment the mapper has sent 2000 of the backlog: mid-stream.
+	w.await(2000, 60*time.Second)
+	m1.stop() // drains what is in flight and writes the final checkpoints
+	mapped1, dup1 := m1.stoppedStats()
+	w.marker()          // every publish of m1 is recorded
+	m1Sent := w.count() // m2 sends the publishes recorded after these
+
+	// The stop really was mid-stream: some but not all mapped, each device a prefix of its
+	// messages, and every partition's checkpoint is the last INCOMING sequence it sent, nonzero
+	// and below the partition's last sequence for at least one.
+	n1 := e.count("OUTGOING")
+	if n1 == 0 || n1 >= first || int(mapped1) != n1 {
+		t.Fatalf("after SIGTERM: OUTGOING holds %d, m1 mapped %v, want the same number, above 0 and below the %d sent: the stop was not mid-stream", n1, mapped1, first)
+	}
+	out1 := e.readStream("OUTGOING", n1, 10*time.Second)
+	perDevice(t, out1, nil)
+	sentUpTo := map[int]uint64{} // partition → last INCOMING sequence m1 published
+	for _, m := range out1 {
+		p, _, seq := provenance(t, m.Subject(), m.Headers())
+		sentUpTo[p] = max(sentUpTo[p], seq)
+	}
+	in := e.partitionSeqs(first)
+	cps := map[int]uint64{}
+	midway := 0
+	for p := 0; p < partitions; p++ {
+		cps[p] = e.checkpoint(p)
+		if cps[p] != sentUpTo[p] {
+			t.Errorf("checkpoint.%d = %d after SIGTERM, want %d, the last INCOMING sequence m1 published for it", p, cps[p], sentUpTo[p])
+		}
+		if len(in[p]) > 0 && cps[p] > 0 && cps[p] < in[p][len(in[p])-1] {
+			midway++
+		}
+	}
+	if midway == 0 {
+		t.Fatalf("checkpoints %v after SIGTERM: none above 0 and below its partition's last INCOMING sequence: the stop was not mid-stream", cps)
+	}
+
 	ld.publish(devs, 50)
+	in = e.partitionSeqs(ld.total())
 	m2 := e.startMapper("m2")
 	want := each(devs, 150)
 	perDevice(t, e.readStream("OUTGOING", 15_000, 60*time.Second), want)
@@ -205,9 +243,39 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 	if dup1+dup2 != 0 {
 		t.Errorf("publishes acknowledged as duplicates: %v then %v, want 0 (the checkpoint covers what was sent)", dup1, dup2)
 	}
-	if mapped2 >= 15_000 {
-		t.Errorf("the second mapper mapped %v, want fewer than 15000: it must resume, not restart", mapped2)
+	if int(mapped2) != ld.total()-n1 {
+		t.Errorf("the second mapper mapped %v, want exactly the %d that were not mapped yet: it must resume at the checkpoint", mapped2, ld.total()-n1)
 	}
+	// Nothing was sent twice, by either mapper (the wire sees what OUTGOING drops as a
+	// duplicate), and m2's first publish of each partition is the message right after the
+	// checkpoint.
+	firstSent := map[int]uint64{}
+	sentTwice := 0
+	seen := map[string]bool{}
+	for i, m := range w.since(-1) {
+		p, _, seq := provenance(t, m.Subject, m.Header)
+		if id := m.Header.Get(nats.MsgIdHdr); seen[id] {
+			sentTwice++
+		} else {
+			seen[id] = true
+		}
+		if _, ok := firstSent[p]; !ok && i >= m1Sent {
+			firstSent[p] = seq
+		}
+	}
+	if sentTwice > 0 {
+		t.Errorf("%d messages were published twice (seen on the wire), want none across a SIGTERM and restart", sentTwice)
+	}
+	for p := 0; p < partitions; p++ {
+		i, _ := slices.BinarySearch(in[p], cps[p]+1)
+		if i == len(in[p]) {
+			continue // nothing of p after the checkpoint
+		}
+		if firstSent[p] != in[p][i] {
+			t.Errorf("partition %d: m2 first published INCOMING sequence %d, want %d, the first after checkpoint %d", p, firstSent[p], in[p][i], cps[p])
+		}
+	}
+	t.Logf("m1 stopped after mapping %d of %d; %d partitions checkpointed midway; m2 mapped %v", n1, first, midway, mapped2)
 }
 
 func TestServerRestartMidStream(t *testing.T) {
@@ -215,9 +283,15 @@ func TestServerRestartMidStream(t *testing.T) {
 	devs := e.mappedDevices(100)
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 150)
-	m := e.startMapper("m1")
-	waitAtLeast(t, e, "OUTGOING", 1000)
+	backlog := ld.total()
+	w := e.tapWire()
+	m := e.startMapper("m1", "--metrics-listen", "127.0.0.1:0")
+	metrics := m.metricsURL()
+	// Restart the server the moment the mapper has sent a thousand of the backlog: its lanes
+	// have thousands of publishes in flight then, whose acknowledgements the restart loses.
+	w.await(1000, 60*time.Second)
 	e.srv = e.srv.Restart()
+	atRestart := w.count()
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if !e.nc.IsConnected() {
 			return fmt.Errorf("test client not reconnected")
@@ -228,6 +302,14 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld.publish(devs, 50)
 	want := each(devs, 200)
 	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
+	// The restart must have hit publishes in flight: they failed and were resent. A restart
+	// when everything was already mapped would leave both counters at zero.
+	failures := metric(t, metrics, "kvmapper_publish_failures_total")[""]
+	retries := metric(t, metrics, "kvmapper_publish_retries_total")[""]
+	t.Logf("restart after %d of the %d-message backlog had been sent: %v publish failures, %v messages resent", atRestart, backlog, failures, retries)
+	if failures == 0 || retries == 0 {
+		t.Errorf("kvmapper_publish_failures_total = %v, kvmapper_publish_retries_total = %v, want both > 0: the restart hit no publish in flight, so this test proved nothing", failures, retries)
+	}
 	m.stop()
 }
 

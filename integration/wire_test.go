@@ -1,0 +1,247 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+)
+
+// wire records every publish the mappers make, as it crosses the server: a core NATS
+// subscription on outgoing.> and unmapped.> sees each one, including those OUTGOING then drops
+// as duplicates and those no stream stores. Markers the test publishes go through the same
+// channel, so a marker's position in the record is a boundary in the server's order.
+type wire struct {
+	t      *testing.T
+	nc     *nats.Conn
+	subs   []*nats.Subscription
+	mark   string // subject of the markers
+	mu     sync.Mutex
+	msgs   []*nats.Msg // in arrival order, markers included
+	sent   int         // publishes recorded, markers excluded
+	waits  []wireWait
+	closed chan struct{}
+}
+
+type wireWait struct {
+	n  int
+	ch chan struct{}
+}
+
+// tapWire starts recording; it stops with t.Cleanup.
+func (e *env) tapWire() *wire {
+	e.t.Helper()
+	w := &wire{t: e.t, mark: nats.NewInbox(), closed: make(chan struct{})}
+	w.nc = e.srv.Connect(e.t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	// One channel for all subscriptions: the connection's reader puts messages into it in the
+	// order the server sent them.
+	ch := make(chan *nats.Msg, 1<<18)
+	for _, subj := range []string{"outgoing.>", "unmapped.>", w.mark} {
+		sub, err := w.nc.ChanSubscribe(subj, ch)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		w.subs = append(w.subs, sub)
+	}
+	if err := w.nc.Flush(); err != nil {
+		e.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case m := <-ch:
+				w.record(m)
+			case <-w.closed:
+				return
+			}
+		}
+	}()
+	e.t.Cleanup(func() {
+		close(w.closed)
+		<-done
+	})
+	return w
+}
+
+func (w *wire) record(m *nats.Msg) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.msgs = append(w.msgs, m)
+	if m.Subject == w.mark {
+		return
+	}
+	w.sent++
+	kept := w.waits[:0]
+	for _, wt := range w.waits {
+		if w.sent >= wt.n {
+			close(wt.ch)
+		} else {
+			kept = append(kept, wt)
+		}
+	}
+	w.waits = kept
+}
+
+// reached returns a channel closed once n publishes have been recorded.
+func (w *wire) reached(n int) <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	ch := make(chan struct{})
+	if w.sent >= n {
+		close(ch)
+	} else {
+		w.waits = append(w.waits, wireWait{n, ch})
+	}
+	return ch
+}
+
+// await waits until n publishes have been recorded.
+func (w *wire) await(n int, timeout time.Duration) {
+	w.t.Helper()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-w.reached(n):
+	case <-t.C:
+		w.t.Fatalf("%d publishes on the wire after %v, want %d", w.count(), timeout, n)
+	}
+}
+
+func (w *wire) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.sent
+}
+
+// marker puts a marker on the record and returns its index once it is there: every publish
+// the server routed before the marker is recorded before it, every later one after it.
+func (w *wire) marker() int {
+	w.t.Helper()
+	label := strconv.Itoa(int(time.Now().UnixNano()))
+	if err := w.nc.Publish(w.mark, []byte(label)); err != nil {
+		w.t.Fatal(err)
+	}
+	idx := -1
+	natstest.Eventually(w.t, 30*time.Second, func() error {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		for i := len(w.msgs) - 1; i >= 0; i-- {
+			if m := w.msgs[i]; m.Subject == w.mark && string(m.Data) == label {
+				idx = i
+				return nil
+			}
+		}
+		return fmt.Errorf("wire marker %s not recorded yet", label)
+	})
+	return idx
+}
+
+// since returns the publishes recorded after index i (markers left out). It fails the test if
+// the subscription dropped anything: the record would not be complete.
+func (w *wire) since(i int) []*nats.Msg {
+	w.t.Helper()
+	for _, s := range w.subs {
+		if n, err := s.Dropped(); err != nil || n > 0 {
+			w.t.Fatalf("wire subscription %s dropped %d messages (%v): the record is incomplete", s.Subject, n, err)
+		}
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []*nats.Msg
+	for _, m := range w.msgs[i+1:] {
+		if m.Subject != w.mark {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// provenance reads a publish's partition, epoch and INCOMING sequence from its headers.
+func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, seq uint64) {
+	t.Helper()
+	p, err1 := strconv.Atoi(hdr.Get(lanes.HeaderPartition))
+	epoch, err2 := strconv.ParseUint(hdr.Get(lanes.HeaderEpoch), 10, 64)
+	id := hdr.Get(nats.MsgIdHdr)
+	seq, err3 := strconv.ParseUint(strings.TrimPrefix(id, "INCOMING:"), 10, 64)
+	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, "INCOMING:") {
+		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<seq>", subject, hdr)
+	}
+	return p, epoch, seq
+}
+
+// partitionSeqs reads the first n messages of INCOMING and returns each partition's stream
+// sequences, in order (the server stamps the partition as the subject's second token).
+func (e *env) partitionSeqs(n int) map[int][]uint64 {
+	e.t.Helper()
+	out := map[int][]uint64{}
+	for _, m := range e.readStream("INCOMING", n, 30*time.Second)[:n] {
+		tok := strings.Split(m.Subject(), ".")
+		p, err := strconv.Atoi(tok[1])
+		md, merr := m.Metadata()
+		if err != nil || merr != nil {
+			e.t.Fatalf("INCOMING message on %s: partition %v, metadata %v", m.Subject(), err, merr)
+		}
+		out[p] = append(out[p], md.Sequence.Stream)
+	}
+	return out
+}
+
+// checkpoint returns partition p's checkpoint in the control bucket, 0 when there is none.
+func (e *env) checkpoint(p int) uint64 {
+	e.t.Helper()
+	ent, err := e.ctl.Get(context.Background(), lanes.CheckpointKey(p))
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return 0
+	}
+	if err != nil {
+		e.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
+	}
+	cp, err := strconv.ParseUint(string(ent.Value()), 10, 64)
+	if err != nil {
+		e.t.Fatalf("%s = %q: %v", lanes.CheckpointKey(p), ent.Value(), err)
+	}
+	return cp
+}
+
+// metric returns the samples of a metric on a replica's /metrics, by their label set
+// ("" for none): `name{partition="3"} 7` gives map[`partition="3"`] = 7.
+func metric(t *testing.T, url, name string) map[string]float64 {
+	t.Helper()
+	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + `(?:\{([^}]*)\})? (\S+)$`)
+	out := map[string]float64{}
+	for _, s := range re.FindAllStringSubmatch(httpGet(t, url+"/metrics"), -1) {
+		v, err := strconv.ParseFloat(s[2], 64)
+		if err != nil {
+			t.Fatalf("%s/metrics: %s{%s} = %q: %v", url, name, s[1], s[2], err)
+		}
+		out[s[1]] = v
+	}
+	return out
+}
+
+// metricsURL returns the base URL of the metrics endpoint a mapper started with
+// --metrics-listen 127.0.0.1:0 logged.
+func (m *mapper) metricsURL() string {
+	m.t.Helper()
+	addr, _ := m.waitLog("metrics listening", 10*time.Second)["addr"].(string)
+	if addr == "" {
+		m.t.Fatalf("%s logged no metrics address", m.id)
+	}
+	return "http://" + addr
+}
+
+// partitionLabel is the label set of a per-partition metric.
+func partitionLabel(p int) string { return fmt.Sprintf("partition=%q", strconv.Itoa(p)) }
