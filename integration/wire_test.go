@@ -174,10 +174,12 @@ func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, se
 	t.Helper()
 	p, err1 := strconv.Atoi(hdr.Get(lanes.HeaderPartition))
 	epoch, err2 := strconv.ParseUint(hdr.Get(lanes.HeaderEpoch), 10, 64)
+	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (lanes.MsgIDPrefix).
 	id := hdr.Get(nats.MsgIdHdr)
-	seq, err3 := strconv.ParseUint(strings.TrimPrefix(id, "INCOMING:"), 10, 64)
-	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, "INCOMING:") {
-		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<seq>", subject, hdr)
+	i := strings.LastIndexByte(id, ':')
+	seq, err3 := strconv.ParseUint(id[i+1:], 10, 64)
+	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, "INCOMING:") || i < len("INCOMING:") {
+		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<incarnation>:<seq>", subject, hdr)
 	}
 	return p, epoch, seq
 }
