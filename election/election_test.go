@@ -90,6 +90,12 @@ type replica struct {
 func startReplica(t *testing.T, srv *natstest.Server, id string, partitions int, work election.Work, mods ...func(*election.Config)) *replica {
 	t.Helper()
 	nc, js := srv.JetStream(t)
+	return runReplica(t, nc, js, id, partitions, work, mods...)
+}
+
+// runReplica runs an Elector on the connection the caller made.
+func runReplica(t *testing.T, nc *nats.Conn, js jetstream.JetStream, id string, partitions int, work election.Work, mods ...func(*election.Config)) *replica {
+	t.Helper()
 	kv, err := js.KeyValue(context.Background(), bucket)
 	if err != nil {
 		t.Fatalf("KeyValue(%s): %v", bucket, err)

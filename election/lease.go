@@ -3,6 +3,7 @@ package election
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -175,22 +176,29 @@ func (h *holder) run(parent context.Context) exit {
 	}
 }
 
+// epochHeader names, on every renewal, the claim it renews by that claim's epoch, so that a holder
+// can recognise its own renewal in the stored lease when the answer to it was lost. The value
+// stays the bare replica id, which watchers read as the owner; an id alone cannot tell this claim
+// from another one by a process with the same id.
+const epochHeader = "Kvmapper-Lease-Epoch"
+
 // renew extends the lease key's TTL with a compare-and-set on its latest revision. kv.Update
-// and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself.
+// and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself. It waits
+// for an answer until the next renewal is due, and never past the lease clock, so that after an
+// answer lost on the way (a timeout, a reconnect) there is time for another attempt; that
+// attempt's conflict with the lost renewal is resolved by adopt.
 func (h *holder) renew() error {
 	e, l := h.e, h.lease
-	timeout := l.remaining()
+	timeout := min(l.remaining(), e.cfg.RenewInterval)
 	if timeout <= 0 {
 		return nil // the caller sees !Valid and fences
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	msg := nats.NewMsg(h.subject)
-	msg.Data = []byte(e.cfg.ReplicaID)
-	sent := time.Now()
-	ack, err := e.js.PublishMsg(ctx, msg,
-		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
-		jetstream.WithExpectLastSequencePerSubject(h.rev))
+	sent, ack, err := h.publishRenewal(ctx)
+	if isCASConflict(err) && h.adopt(ctx) {
+		sent, ack, err = h.publishRenewal(ctx)
+	}
 	if err != nil {
 		return err
 	}
@@ -200,13 +208,72 @@ func (h *holder) renew() error {
 	return nil
 }
 
-// delete removes the lease key if it is still at the revision this holder last wrote, then
-// makes the lease invalid.
+// publishRenewal sends one renewal on the holder's revision and returns its send time and the
+// server's answer.
+func (h *holder) publishRenewal(ctx context.Context) (time.Time, *jetstream.PubAck, error) {
+	e := h.e
+	msg := nats.NewMsg(h.subject)
+	msg.Data = []byte(e.cfg.ReplicaID)
+	msg.Header.Set(epochHeader, strconv.FormatUint(h.lease.Epoch, 10))
+	sent := time.Now()
+	ack, err := e.js.PublishMsg(ctx, msg,
+		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
+		jetstream.WithExpectLastSequencePerSubject(h.rev))
+	return sent, ack, err
+}
+
+// adopt handles a compare-and-set conflict on the lease key that may be the holder's own doing:
+// a renewal the server applied but whose answer was lost (a timeout, a reconnect) leaves the
+// holder a revision behind, and its next renewal or its release would fail. If the lease still
+// holds by the holder's clock and the stored lease is a renewal of this very claim (this
+// replica's id as the value, the claim's epoch in its header, a revision past the holder's), the
+// holder takes that revision as its own and adopt reports true. Anything else stored (a delete,
+// an expiry marker, another replica's claim, a claim by another process with the same id) means
+// the lease is lost, and so does a failure to read it.
+func (h *holder) adopt(ctx context.Context) bool {
+	e, l := h.e, h.lease
+	if !l.Valid() {
+		return false
+	}
+	m, err := h.stored(ctx)
+	if err != nil {
+		e.log.Debug().Err(err).Int("partition", l.Partition).Msg("reading the lease after a conflict failed")
+		return false
+	}
+	if m.Sequence <= h.rev || string(m.Data) != e.cfg.ReplicaID ||
+		m.Header.Get(epochHeader) != strconv.FormatUint(l.Epoch, 10) {
+		return false
+	}
+	e.log.Info().Int("partition", l.Partition).Uint64("epoch", l.Epoch).Uint64("revision", m.Sequence).
+		Uint64("expected", h.rev).Msg("adopting a lease renewal whose answer was lost")
+	h.rev = m.Sequence
+	return true
+}
+
+// stored reads the lease key's last message with its headers, which jetstream.KeyValue does not
+// show, from the bucket's stream.
+func (h *holder) stored(ctx context.Context) (*jetstream.RawStreamMsg, error) {
+	s, err := h.e.js.Stream(ctx, "KV_"+h.e.kv.Bucket())
+	if err != nil {
+		return nil, fmt.Errorf("election: opening the stream of bucket %s: %w", h.e.kv.Bucket(), err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, h.subject)
+	if err != nil {
+		return nil, fmt.Errorf("election: reading %s: %w", h.key, err)
+	}
+	return m, nil
+}
+
+// delete removes the lease key if it is still at the revision this holder last wrote (or at a
+// renewal of its own whose answer was lost), then makes the lease invalid.
 func (h *holder) delete() {
 	e := h.e
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
 	defer cancel()
 	err := e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	if isCASConflict(err) && h.adopt(ctx) {
+		err = e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	}
 	h.lease.revoke()
 	if err != nil {
 		e.log.Warn().Err(err).Int("partition", h.lease.Partition).Msg("deleting released lease failed; it will expire")
