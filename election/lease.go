@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -20,34 +21,37 @@ type Lease struct {
 	// claim of the partition by anyone, so it is a fencing token; it does not change on renewal.
 	Epoch uint64
 
-	base   time.Time    // monotonic origin shared by the Elector's leases; immutable
-	expiry atomic.Int64 // nanoseconds after base when Valid turns false
+	clock  func() time.Duration // the Elector's lease clock (Config.Clock); immutable
+	expiry atomic.Int64         // reading of clock at which Valid turns false
 }
 
-// Valid reports whether this replica still holds the lease by its own clock: it turns false once
-// the send time of the last successful renewal (or of the claim) + LeaseTTL − Margin has passed,
-// and at once when a renewal is refused or the lease has been handed over. It reads the
-// monotonic clock, so a process that was stopped (SIGSTOP) sees false as soon as it runs again.
-// It is cheap and safe for concurrent use.
+// Valid reports whether this replica still holds the lease by its own lease clock
+// (Config.Clock): it turns false once the send time of the last successful renewal (or of the
+// claim) + LeaseTTL − Margin has passed, and at once when a renewal is refused or the lease has
+// been handed over. The default clock counts time a process spends stopped (SIGSTOP) and, on
+// Linux, time the machine spends suspended, so an owner sees false as soon as it runs again
+// after a pause longer than its lease; the partition's context is cancelled at the holder's next
+// timer, within RenewInterval. It is cheap (one clock reading) and safe for concurrent use.
 func (l *Lease) Valid() bool {
-	return time.Since(l.base) < time.Duration(l.expiry.Load())
+	return l.clock() < time.Duration(l.expiry.Load())
 }
 
 // remaining returns how long the lease stays valid, ≤ 0 when it is not.
 func (l *Lease) remaining() time.Duration {
-	return time.Duration(l.expiry.Load()) - time.Since(l.base)
+	return time.Duration(l.expiry.Load()) - l.clock()
 }
 
-// extend moves the expiry to sent + d unless it is already later. Only the holder calls it.
-func (l *Lease) extend(sent time.Time, d time.Duration) {
-	at := int64(sent.Sub(l.base) + d)
+// extend moves the expiry to sent + d unless it is already later; sent is a reading of the
+// lease clock. Only the holder calls it.
+func (l *Lease) extend(sent, d time.Duration) {
+	at := int64(sent + d)
 	if at > l.expiry.Load() {
 		l.expiry.Store(at)
 	}
 }
 
 // revoke makes Valid false from now on.
-func (l *Lease) revoke() { l.expiry.Store(0) }
+func (l *Lease) revoke() { l.expiry.Store(math.MinInt64) }
 
 // exitKind says how a holder ended.
 type exitKind int
@@ -208,14 +212,14 @@ func (h *holder) renew() error {
 	return nil
 }
 
-// publishRenewal sends one renewal on the holder's revision and returns its send time and the
-// server's answer.
-func (h *holder) publishRenewal(ctx context.Context) (time.Time, *jetstream.PubAck, error) {
+// publishRenewal sends one renewal on the holder's revision and returns its send time by the
+// lease clock and the server's answer.
+func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.PubAck, error) {
 	e := h.e
 	msg := nats.NewMsg(h.subject)
 	msg.Data = []byte(e.cfg.ReplicaID)
 	msg.Header.Set(epochHeader, strconv.FormatUint(h.lease.Epoch, 10))
-	sent := time.Now()
+	sent := e.cfg.Clock()
 	ack, err := e.js.PublishMsg(ctx, msg,
 		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
 		jetstream.WithExpectLastSequencePerSubject(h.rev))
