@@ -38,6 +38,7 @@ type tracker struct {
 	t      *testing.T
 	mu     sync.Mutex
 	owner  map[int]string
+	epoch  map[int]uint64 // epoch of the Work last started per partition
 	starts map[int]int
 	ends   chan end
 }
@@ -50,7 +51,7 @@ type end struct {
 }
 
 func newTracker(t *testing.T) *tracker {
-	return &tracker{t: t, owner: map[int]string{}, starts: map[int]int{}, ends: make(chan end, 1024)}
+	return &tracker{t: t, owner: map[int]string{}, epoch: map[int]uint64{}, starts: map[int]int{}, ends: make(chan end, 1024)}
 }
 
 func (tr *tracker) work(id string) election.Work {
@@ -63,6 +64,7 @@ func (tr *tracker) work(id string) election.Work {
 			tr.t.Errorf("partition %d: Work started with an invalid lease", l.Partition)
 		}
 		tr.owner[l.Partition] = id
+		tr.epoch[l.Partition] = l.Epoch
 		tr.starts[l.Partition]++
 		tr.mu.Unlock()
 		<-ctx.Done()
