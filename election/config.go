@@ -23,7 +23,7 @@ type Config struct {
 	// RenewInterval is how often leases and the member key are renewed. Default LeaseTTL/4.
 	RenewInterval time.Duration
 	// Margin is the self-fencing safety margin: a lease is valid until the last successful
-	// renewal's send time + LeaseTTL − Margin. It must be below LeaseTTL − RenewInterval.
+	// renewal's send time by Clock + LeaseTTL − Margin. It must be below LeaseTTL − RenewInterval.
 	// Default 250ms.
 	Margin time.Duration
 	// Grace is how long a partition may stay unowned before any replica claims it regardless
@@ -40,6 +40,18 @@ type Config struct {
 	// ReleaseTimeout bounds how long the Elector waits for a Work to return after cancelling it,
 	// on release and on shutdown. Default 30s.
 	ReleaseTimeout time.Duration
+	// Clock is the lease clock: it returns the time elapsed since an arbitrary origin and must
+	// never go backwards. A lease is valid until the last successful renewal's send time by
+	// this clock + LeaseTTL − Margin ([Lease.Valid]). The zero value is the system's boot
+	// clock: on Linux CLOCK_BOOTTIME, which, unlike Go's monotonic clock (CLOCK_MONOTONIC),
+	// keeps counting while the machine is suspended, so that an owner resuming from a suspend
+	// longer than its lease finds the lease expired, as the server has, instead of publishing
+	// under it; elsewhere Go's monotonic clock. Both count a stopped process (SIGSTOP, a frozen
+	// cgroup) and a long GC. Neither counts a VM pause its hypervisor hides from the guest's
+	// clocks (QEMU/KVM with kvm-clock stops them while the VM is paused, snapshotted or in
+	// live-migration downtime): such an owner runs on until its next renewal or checkpoint write
+	// fails. Tests set Clock to simulate a suspend.
+	Clock func() time.Duration
 	// Logger receives ownership changes at info level and routine renewals at debug level.
 	// The zero value discards everything.
 	Logger zerolog.Logger
@@ -119,6 +131,9 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if cfg.ReleaseTimeout < 0 {
 		return bad("release timeout %v must not be negative", cfg.ReleaseTimeout)
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = bootClock()
 	}
 	return cfg, nil
 }

@@ -42,7 +42,6 @@ type Elector struct {
 	work Work
 	cfg  Config
 	log  zerolog.Logger
-	base time.Time // monotonic origin of lease clocks
 
 	memberKey     string
 	memberSubject string
@@ -90,7 +89,6 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		work:          work,
 		cfg:           cfg,
 		log:           cfg.Logger.With().Str("replica", cfg.ReplicaID).Logger(),
-		base:          time.Now(),
 		memberKey:     "member." + cfg.ReplicaID,
 		memberSubject: "$KV." + bucket.Bucket() + ".member." + cfg.ReplicaID,
 		leasePrefix:   "$KV." + bucket.Bucket() + ".",
@@ -359,7 +357,7 @@ func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, 
 	key := leaseKey(p)
 	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
 	defer cancel()
-	sent := time.Now()
+	sent := e.cfg.Clock()
 	rev, err := e.kv.Create(cctx, key, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.LeaseTTL))
 	if err != nil {
 		if isCASConflict(err) {
@@ -368,7 +366,7 @@ func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, 
 		e.log.Debug().Err(err).Int("partition", p).Msg("claim failed")
 		return
 	}
-	l := &Lease{Partition: p, Epoch: rev, base: e.base}
+	l := &Lease{Partition: p, Epoch: rev, clock: e.cfg.Clock}
 	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
 	h := &holder{e: e, lease: l, key: key, subject: e.leasePrefix + key, rev: rev, release: make(chan struct{})}
 	if !planned {

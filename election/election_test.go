@@ -38,6 +38,7 @@ type tracker struct {
 	t      *testing.T
 	mu     sync.Mutex
 	owner  map[int]string
+	epoch  map[int]uint64 // epoch of the Work last started per partition
 	starts map[int]int
 	ends   chan end
 }
@@ -50,7 +51,7 @@ type end struct {
 }
 
 func newTracker(t *testing.T) *tracker {
-	return &tracker{t: t, owner: map[int]string{}, starts: map[int]int{}, ends: make(chan end, 1024)}
+	return &tracker{t: t, owner: map[int]string{}, epoch: map[int]uint64{}, starts: map[int]int{}, ends: make(chan end, 1024)}
 }
 
 func (tr *tracker) work(id string) election.Work {
@@ -63,6 +64,7 @@ func (tr *tracker) work(id string) election.Work {
 			tr.t.Errorf("partition %d: Work started with an invalid lease", l.Partition)
 		}
 		tr.owner[l.Partition] = id
+		tr.epoch[l.Partition] = l.Epoch
 		tr.starts[l.Partition]++
 		tr.mu.Unlock()
 		<-ctx.Done()
@@ -90,6 +92,12 @@ type replica struct {
 func startReplica(t *testing.T, srv *natstest.Server, id string, partitions int, work election.Work, mods ...func(*election.Config)) *replica {
 	t.Helper()
 	nc, js := srv.JetStream(t)
+	return runReplica(t, nc, js, id, partitions, work, mods...)
+}
+
+// runReplica runs an Elector on the connection the caller made.
+func runReplica(t *testing.T, nc *nats.Conn, js jetstream.JetStream, id string, partitions int, work election.Work, mods ...func(*election.Config)) *replica {
+	t.Helper()
 	kv, err := js.KeyValue(context.Background(), bucket)
 	if err != nil {
 		t.Fatalf("KeyValue(%s): %v", bucket, err)

@@ -3,6 +3,8 @@ package election
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -19,34 +21,37 @@ type Lease struct {
 	// claim of the partition by anyone, so it is a fencing token; it does not change on renewal.
 	Epoch uint64
 
-	base   time.Time    // monotonic origin shared by the Elector's leases; immutable
-	expiry atomic.Int64 // nanoseconds after base when Valid turns false
+	clock  func() time.Duration // the Elector's lease clock (Config.Clock); immutable
+	expiry atomic.Int64         // reading of clock at which Valid turns false
 }
 
-// Valid reports whether this replica still holds the lease by its own clock: it turns false once
-// the send time of the last successful renewal (or of the claim) + LeaseTTL − Margin has passed,
-// and at once when a renewal is refused or the lease has been handed over. It reads the
-// monotonic clock, so a process that was stopped (SIGSTOP) sees false as soon as it runs again.
-// It is cheap and safe for concurrent use.
+// Valid reports whether this replica still holds the lease by its own lease clock
+// (Config.Clock): it turns false once the send time of the last successful renewal (or of the
+// claim) + LeaseTTL − Margin has passed, and at once when a renewal is refused or the lease has
+// been handed over. The default clock counts time a process spends stopped (SIGSTOP) and, on
+// Linux, time the machine spends suspended, so an owner sees false as soon as it runs again
+// after a pause longer than its lease; the partition's context is cancelled at the holder's next
+// timer, within RenewInterval. It is cheap (one clock reading) and safe for concurrent use.
 func (l *Lease) Valid() bool {
-	return time.Since(l.base) < time.Duration(l.expiry.Load())
+	return l.clock() < time.Duration(l.expiry.Load())
 }
 
 // remaining returns how long the lease stays valid, ≤ 0 when it is not.
 func (l *Lease) remaining() time.Duration {
-	return time.Duration(l.expiry.Load()) - time.Since(l.base)
+	return time.Duration(l.expiry.Load()) - l.clock()
 }
 
-// extend moves the expiry to sent + d unless it is already later. Only the holder calls it.
-func (l *Lease) extend(sent time.Time, d time.Duration) {
-	at := int64(sent.Sub(l.base) + d)
+// extend moves the expiry to sent + d unless it is already later; sent is a reading of the
+// lease clock. Only the holder calls it.
+func (l *Lease) extend(sent, d time.Duration) {
+	at := int64(sent + d)
 	if at > l.expiry.Load() {
 		l.expiry.Store(at)
 	}
 }
 
 // revoke makes Valid false from now on.
-func (l *Lease) revoke() { l.expiry.Store(0) }
+func (l *Lease) revoke() { l.expiry.Store(math.MinInt64) }
 
 // exitKind says how a holder ended.
 type exitKind int
@@ -175,22 +180,29 @@ func (h *holder) run(parent context.Context) exit {
 	}
 }
 
+// epochHeader names, on every renewal, the claim it renews by that claim's epoch, so that a holder
+// can recognise its own renewal in the stored lease when the answer to it was lost. The value
+// stays the bare replica id, which watchers read as the owner; an id alone cannot tell this claim
+// from another one by a process with the same id.
+const epochHeader = "Kvmapper-Lease-Epoch"
+
 // renew extends the lease key's TTL with a compare-and-set on its latest revision. kv.Update
-// and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself.
+// and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself. It waits
+// for an answer until the next renewal is due, and never past the lease clock, so that after an
+// answer lost on the way (a timeout, a reconnect) there is time for another attempt; that
+// attempt's conflict with the lost renewal is resolved by adopt.
 func (h *holder) renew() error {
 	e, l := h.e, h.lease
-	timeout := l.remaining()
+	timeout := min(l.remaining(), e.cfg.RenewInterval)
 	if timeout <= 0 {
 		return nil // the caller sees !Valid and fences
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	msg := nats.NewMsg(h.subject)
-	msg.Data = []byte(e.cfg.ReplicaID)
-	sent := time.Now()
-	ack, err := e.js.PublishMsg(ctx, msg,
-		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
-		jetstream.WithExpectLastSequencePerSubject(h.rev))
+	sent, ack, err := h.publishRenewal(ctx)
+	if isCASConflict(err) && h.adopt(ctx) {
+		sent, ack, err = h.publishRenewal(ctx)
+	}
 	if err != nil {
 		return err
 	}
@@ -200,13 +212,72 @@ func (h *holder) renew() error {
 	return nil
 }
 
-// delete removes the lease key if it is still at the revision this holder last wrote, then
-// makes the lease invalid.
+// publishRenewal sends one renewal on the holder's revision and returns its send time by the
+// lease clock and the server's answer.
+func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.PubAck, error) {
+	e := h.e
+	msg := nats.NewMsg(h.subject)
+	msg.Data = []byte(e.cfg.ReplicaID)
+	msg.Header.Set(epochHeader, strconv.FormatUint(h.lease.Epoch, 10))
+	sent := e.cfg.Clock()
+	ack, err := e.js.PublishMsg(ctx, msg,
+		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
+		jetstream.WithExpectLastSequencePerSubject(h.rev))
+	return sent, ack, err
+}
+
+// adopt handles a compare-and-set conflict on the lease key that may be the holder's own doing:
+// a renewal the server applied but whose answer was lost (a timeout, a reconnect) leaves the
+// holder a revision behind, and its next renewal or its release would fail. If the lease still
+// holds by the holder's clock and the stored lease is a renewal of this very claim (this
+// replica's id as the value, the claim's epoch in its header, a revision past the holder's), the
+// holder takes that revision as its own and adopt reports true. Anything else stored (a delete,
+// an expiry marker, another replica's claim, a claim by another process with the same id) means
+// the lease is lost, and so does a failure to read it.
+func (h *holder) adopt(ctx context.Context) bool {
+	e, l := h.e, h.lease
+	if !l.Valid() {
+		return false
+	}
+	m, err := h.stored(ctx)
+	if err != nil {
+		e.log.Debug().Err(err).Int("partition", l.Partition).Msg("reading the lease after a conflict failed")
+		return false
+	}
+	if m.Sequence <= h.rev || string(m.Data) != e.cfg.ReplicaID ||
+		m.Header.Get(epochHeader) != strconv.FormatUint(l.Epoch, 10) {
+		return false
+	}
+	e.log.Info().Int("partition", l.Partition).Uint64("epoch", l.Epoch).Uint64("revision", m.Sequence).
+		Uint64("expected", h.rev).Msg("adopting a lease renewal whose answer was lost")
+	h.rev = m.Sequence
+	return true
+}
+
+// stored reads the lease key's last message with its headers, which jetstream.KeyValue does not
+// show, from the bucket's stream.
+func (h *holder) stored(ctx context.Context) (*jetstream.RawStreamMsg, error) {
+	s, err := h.e.js.Stream(ctx, "KV_"+h.e.kv.Bucket())
+	if err != nil {
+		return nil, fmt.Errorf("election: opening the stream of bucket %s: %w", h.e.kv.Bucket(), err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, h.subject)
+	if err != nil {
+		return nil, fmt.Errorf("election: reading %s: %w", h.key, err)
+	}
+	return m, nil
+}
+
+// delete removes the lease key if it is still at the revision this holder last wrote (or at a
+// renewal of its own whose answer was lost), then makes the lease invalid.
 func (h *holder) delete() {
 	e := h.e
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
 	defer cancel()
 	err := e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	if isCASConflict(err) && h.adopt(ctx) {
+		err = e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	}
 	h.lease.revoke()
 	if err != nil {
 		e.log.Warn().Err(err).Int("partition", h.lease.Partition).Msg("deleting released lease failed; it will expire")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -87,8 +88,11 @@ func TestGraceClaimsFromSilentMember(t *testing.T) {
 	}
 }
 
-// TestServerRestart restarts the server under a running replica: it loses its leases by its
-// own clock while disconnected, and owns every partition again once reconnected.
+// TestServerRestart stops the server under a running replica for longer than the lease and
+// starts it again: the replica must lose every lease by its own clock while the server is down
+// (each Work ends with ErrLeaseLost), claim every partition again once reconnected (a new Work
+// under a larger epoch), and then own each partition exactly once, its lease key held under the
+// new claim.
 func TestServerRestart(t *testing.T) {
 	const P = 4
 	srv := natstest.Start(t)
@@ -97,25 +101,64 @@ func TestServerRestart(t *testing.T) {
 	tr := newTracker(t)
 	r := startReplica(t, srv, "a", P, tr.work("a"))
 	natstest.Eventually(t, 5*time.Second, ownedEquals(r, all(P)))
-	_ = r.nc // reconnects on its own
-	srv.Restart()
-	natstest.Eventually(t, 15*time.Second, func() error {
-		if got := r.e.Owned(); !slices.Equal(got, all(P)) {
-			return fmt.Errorf("Owned() = %v, want %v (connection %v)", got, all(P), r.nc.Status())
+	tr.mu.Lock()
+	before := maps.Clone(tr.epoch)
+	tr.mu.Unlock()
+
+	opts := *srv.Opts
+	opts.Port = srv.Port()
+	srv.Stop()
+	stopped := time.Now()
+	lost := map[int]bool{}
+	for len(lost) < P {
+		select {
+		case e := <-tr.ends:
+			if e.replica != "a" || !errors.Is(e.cause, election.ErrLeaseLost) {
+				t.Fatalf("Work end %+v while the server is down, want replica a with ErrLeaseLost", e)
+			}
+			lost[e.partition] = true
+		case <-time.After(5 * ttl):
+			t.Fatalf("%d of %d leases lost within %v of stopping the server, want all", len(lost), P, 5*ttl)
 		}
+	}
+	t.Logf("every lease lost %v after the server stopped", time.Since(stopped))
+	srv = natstest.StartWith(t, &opts) // same port, same store: the replica reconnects on its own
+
+	natstest.Eventually(t, 15*time.Second, func() error {
 		if r.nc.Status() != nats.CONNECTED {
 			return fmt.Errorf("connection %v", r.nc.Status())
 		}
+		if got := r.e.Owned(); !slices.Equal(got, all(P)) {
+			return fmt.Errorf("Owned() = %v, want %v", got, all(P))
+		}
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
-		if len(tr.owner) != P {
-			return fmt.Errorf("%d Works running, want %d", len(tr.owner), P)
+		for p := range P {
+			if _, ok := tr.owner[p]; !ok || tr.epoch[p] <= before[p] {
+				return fmt.Errorf("partition %d: running %v under epoch %d, want a Work under an epoch above %d", p, ok, tr.epoch[p], before[p])
+			}
 		}
 		return nil
 	})
+
+	_, js = srv.JetStream(t)
+	kv, err := js.KeyValue(context.Background(), bucket)
+	if err != nil {
+		t.Fatalf("KeyValue(%s): %v", bucket, err)
+	}
 	tr.mu.Lock()
-	t.Logf("Work starts per partition after the restart: %v", tr.starts)
+	running, starts := maps.Clone(tr.epoch), maps.Clone(tr.starts)
 	tr.mu.Unlock()
+	t.Logf("epochs before the restart %v, after %v; Work starts %v", before, running, starts)
+	for p := range P {
+		ent, err := kv.Get(context.Background(), fmt.Sprintf("lease.%d", p))
+		if err != nil {
+			t.Fatalf("Get(lease.%d): %v", p, err)
+		}
+		if string(ent.Value()) != "a" || ent.Revision() < running[p] {
+			t.Errorf("lease.%d = %q at revision %d, want held by a since its claim at epoch %d", p, ent.Value(), ent.Revision(), running[p])
+		}
+	}
 	if err := r.stop(t); err != nil {
 		t.Errorf("Run() = %v, want nil", err)
 	}

@@ -1,0 +1,4 @@
+package election
+
+// BootClock returns the default lease clock, for tests.
+var BootClock = bootClock
