@@ -211,11 +211,11 @@ func (e *env) checkpoint(p int) uint64 {
 	if err != nil {
 		e.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
 	}
-	cp, err := strconv.ParseUint(string(ent.Value()), 10, 64)
+	cp, err := lanes.ParseCheckpoint(ent.Value())
 	if err != nil {
 		e.t.Fatalf("%s = %q: %v", lanes.CheckpointKey(p), ent.Value(), err)
 	}
-	return cp
+	return cp.Seq
 }
 
 // metric returns the samples of a metric on a replica's /metrics, by their label set
