@@ -16,15 +16,9 @@ import (
 	"time"
 
 	"github.com/mattn/go-isatty"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/bench"
-	"github.com/kvmapper/kvmapper/lanes"
-	"github.com/kvmapper/kvmapper/setup"
-	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func benchCommand() *cli.Command {
@@ -100,7 +94,6 @@ func benchAction(c *cli.Context) error {
 		TableDevices:     c.Int("table-devices"),
 		FailoverRate:     c.Int("failover-rate"),
 		FailoverReplicas: c.Int("failover-replicas"),
-		Replica:          benchReplica(log),
 		Child:            benchChild(exe),
 		Logger:           log,
 	}
@@ -162,42 +155,6 @@ func benchAction(c *cli.Context) error {
 		}
 	}
 	return err
-}
-
-// benchReplica runs a replica in this process exactly as kvmapper run wires one (newReplica),
-// with run's defaults, on a connection of its own over loopback TCP.
-func benchReplica(log zerolog.Logger) bench.ReplicaFunc {
-	return func(ctx context.Context, url, id string, n bench.Names, ready func()) error {
-		lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", n.Partitions)
-		if err != nil {
-			return err
-		}
-		rlog := log.With().Str("replica", id).Logger()
-		// The options of kvmapper run that matter to the mapping (see connect); the bench's server
-		// needs no authentication.
-		nc, err := nats.Connect(url, nats.Name("kvmapper bench "+id), nats.MaxReconnects(-1),
-			nats.ReconnectWait(250*time.Millisecond), nats.ReconnectBufSize(-1))
-		if err != nil {
-			return err
-		}
-		defer nc.Close()
-		js, err := jetstream.New(nc)
-		if err != nil {
-			return err
-		}
-		scfg := setup.Config{Layout: lay, Incoming: n.Incoming, Outgoing: n.Outgoing, Unmapped: n.Unmapped, Groups: n.Groups, Control: n.Control}
-		scfg.Defaults()
-		r, err := newReplica(ctx, js, replicaConfig{
-			ID:     id,
-			Setup:  scfg,
-			Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance},
-			Logger: rlog,
-		})
-		if err != nil {
-			return err
-		}
-		return r.Run(ctx, ready)
-	}
 }
 
 // benchChild runs a replica as a kvmapper run process, so that the failover bench kills a real one.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
@@ -155,9 +157,10 @@ func runAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	r, err := newReplica(ctx, js, replicaConfig{
-		ID:    id,
-		Setup: scfg,
+	r, err := mapper.New(ctx, js, mapper.Config{
+		ID:      id,
+		Version: version,
+		Setup:   scfg,
 		Lanes: lanes.Config{
 			Layout:             lay,
 			Incoming:           scfg.Incoming,
@@ -176,18 +179,21 @@ func runAction(c *cli.Context) error {
 		MetricsListen: c.String("metrics-listen"),
 		EventsSubject: c.String("events-subject"),
 	})
+	if errors.Is(err, mapper.ErrInvalidConfig) {
+		return usageError{err}
+	}
 	if err != nil {
 		return err
 	}
 	err = r.Run(ctx, func() {
-		log.Info().Int("devices", r.table.Len()).Int("partitions", lay.Partitions).
+		log.Info().Int("devices", r.Devices()).Int("partitions", lay.Partitions).
 			Str("from", lay.In.String()).Str("to", lay.Out.String()).Str("unmapped", lay.Unmapped.String()).
 			Msg("groups table loaded; mapping")
 		if c.Bool("embedded") {
 			printNextSteps(c, servers, scfg)
 		}
 	})
-	st := r.pool.Stats()
+	st := r.Stats()
 	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
 		Uint64("retries", st.Retries).Msg("replica stopped")
 	return err

@@ -49,11 +49,6 @@ type Names struct {
 	NoProvenance bool
 }
 
-// ReplicaFunc runs one kvmapper replica in this process: it dials url, creates or verifies the
-// streams and buckets of n, calls ready once its groups table is loaded, and maps until ctx is
-// done, when it hands its partitions over and returns (nil after a clean stop).
-type ReplicaFunc func(ctx context.Context, url, id string, n Names, ready func()) error
-
 // ChildFunc returns the command that runs one kvmapper replica named id as a child process
 // against url with the streams and buckets of n. The bench starts it, kills it with SIGKILL or
 // stops it with SIGTERM, and waits for it.
@@ -98,8 +93,6 @@ type Config struct {
 	// FailoverReplicas is how many child replicas the failover run starts. Default 3.
 	FailoverReplicas int
 
-	// Replica runs a kvmapper replica in this process. Required for throughput, latency and mapping.
-	Replica ReplicaFunc
 	// Child makes the command of a kvmapper replica as a child process. Required for failover.
 	Child ChildFunc
 
@@ -161,8 +154,6 @@ func (c *Config) setDefaults() error {
 		return bad("payload %d must be at least 8 bytes (it carries a timestamp)", c.Payload)
 	case c.FailoverReplicas < 2:
 		return bad("failover needs at least 2 replicas, not %d", c.FailoverReplicas)
-	case c.Replica == nil && (c.has(Throughput) || c.has(Latency) || c.has(Mapping)):
-		return bad("Replica is required for %s, %s and %s", Throughput, Latency, Mapping)
 	case c.Child == nil && c.has(Failover):
 		return bad("Child is required for %s", Failover)
 	}

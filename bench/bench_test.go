@@ -29,7 +29,6 @@ func tiny(url string) bench.Config {
 		ChangeLoad:    500,
 		TableDevices:  2000,
 		FailoverRate:  500,
-		Replica:       testReplica,
 		Child:         testChild,
 	}
 }
@@ -148,10 +147,9 @@ func TestRunRefusesForeignStreams(t *testing.T) {
 
 func TestRunInvalidConfig(t *testing.T) {
 	for name, mod := range map[string]func(*bench.Config){
-		"no url":          func(c *bench.Config) { c.URL = "" },
-		"unknown only":    func(c *bench.Config) { c.Only = []string{"speed"} },
-		"small payload":   func(c *bench.Config) { c.Payload = 4 },
-		"no replica func": func(c *bench.Config) { c.Replica = nil },
+		"no url":        func(c *bench.Config) { c.URL = "" },
+		"unknown only":  func(c *bench.Config) { c.Only = []string{"speed"} },
+		"small payload": func(c *bench.Config) { c.Payload = 4 },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := tiny("nats://127.0.0.1:1")

@@ -219,7 +219,7 @@ func (e *env) startMappers(ctx context.Context, names Names, n int) (*mappers, e
 		id := fmt.Sprintf("bench-%d-%d", e.runs, i+1)
 		g.Go(func() error {
 			var once sync.Once
-			err := e.cfg.Replica(gctx, e.cfg.URL, id, names, func() { once.Do(wg.Done) })
+			err := RunReplica(gctx, e.log, e.cfg.URL, id, names, func() { once.Do(wg.Done) })
 			once.Do(wg.Done)
 			if err != nil {
 				return fmt.Errorf("replica %s: %w", id, err)

@@ -10,117 +10,84 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
+	replica "github.com/kvmapper/kvmapper/mapper"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// inprocReplica is one replica composed in this process from kv, lanes and election, wired as
-// replica.go wires them, so that a test can reach inside it (hold its groups watch back).
+// inprocReplica is one replica run in this process by package mapper (imported as replica), exactly as `kvmapper run`
+// wires it, so that a test can reach inside it (hold its groups watch back).
 type inprocReplica struct {
-	t       *testing.T
-	table   *kv.Table
-	elector *election.Elector
-
-	stopElection func() // cancels the elector's Run and waits for it; idempotent
+	*replica.Replica
+	stop func() // cancels Run and waits for it (a graceful stop, as SIGTERM); idempotent
 }
 
-// replicaWork is replica.go's election.Work: keep the two identical. A claimed partition maps
-// nothing until the groups table has caught up with the bucket as it was at the claim.
-func replicaWork(table *kv.Table, pool *lanes.Pool, log zerolog.Logger) election.Work {
-	return func(ctx context.Context, l *election.Lease) error {
-		if err := table.CatchUp(ctx); err != nil {
-			if ctx.Err() != nil {
-				log.Info().Err(err).Int("partition", l.Partition).
-					Msg("partition ended before the groups table caught up")
-				return nil
-			}
-			return err
-		}
-		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
-	}
-}
-
-// startInprocReplica builds replica id on its own connection and runs its groups table until the
-// test ends; it returns once the table is loaded. The election starts with elect.
+// startInprocReplica runs replica id on its own connection until stop or the end of the test,
+// and returns once its groups table is loaded and it takes part in the election.
 func (e *env) startInprocReplica(id string, kcfg kv.Config) *inprocReplica {
 	e.t.Helper()
 	t := e.t
 	_, js := e.srv.JetStream(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectBufSize(-1))
-	ctx := context.Background()
-	groups, err := js.KeyValue(ctx, "device-groups")
-	if err != nil {
-		t.Fatal(err)
-	}
-	control, err := js.KeyValue(ctx, "kvmapper")
-	if err != nil {
-		t.Fatal(err)
-	}
-	table, err := kv.New(groups, kcfg)
-	if err != nil {
-		t.Fatalf("kv.New: %v", err)
-	}
-	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
-		ent, ok := table.Lookup(device)
-		if !ok {
-			return "", 0, lanes.ReasonNoMapping
-		}
-		return ent.Group, ent.Revision, ent.Reason
-	}, lanes.Config{
-		Layout: layout(t), CheckpointInterval: 50 * time.Millisecond,
-		PublishTimeout: 2 * time.Second, DrainTimeout: 5 * time.Second,
+	lay := layout(t)
+	scfg := setup.Config{Layout: lay}
+	scfg.Defaults()
+	r, err := replica.New(context.Background(), js, replica.Config{
+		ID:    id,
+		Setup: scfg,
+		Table: kcfg,
+		Lanes: lanes.Config{Layout: lay, CheckpointInterval: 50 * time.Millisecond,
+			PublishTimeout: 2 * time.Second, DrainTimeout: 5 * time.Second},
+		Election: election.Config{LeaseTTL: time.Second, RenewInterval: 200 * time.Millisecond, Grace: time.Second},
 	})
 	if err != nil {
-		t.Fatalf("lanes.New: %v", err)
+		t.Fatalf("replica.New(%s): %v", id, err)
 	}
-	elector, err := election.New(js, control, replicaWork(table, pool, zerolog.Nop()), election.Config{
-		ReplicaID: id, Partitions: partitions,
-		LeaseTTL: time.Second, RenewInterval: 200 * time.Millisecond, Grace: time.Second,
-		ReleaseTimeout: pool.DrainTimeout() + 10*time.Second,
-	})
-	if err != nil {
-		t.Fatalf("election.New: %v", err)
-	}
-	r := &inprocReplica{t: t, table: table, elector: elector, stopElection: func() {}}
-	t.Cleanup(runUntilCleanup(t, id+" groups table", table.Run))
+	ctx, cancel := context.WithCancel(context.Background())
+	ready, done := make(chan struct{}), make(chan error, 1)
+	go func() { done <- r.Run(ctx, func() { close(ready) }) }()
+	var once sync.Once
+	ir := &inprocReplica{Replica: r, stop: func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("%s: Run() = %v, want nil", id, err)
+				}
+			case <-time.After(60 * time.Second):
+				t.Errorf("%s: Run did not return within 60s of cancel", id)
+			}
+		})
+	}}
+	t.Cleanup(ir.stop)
 	select {
-	case <-table.Ready():
+	case <-ready:
+	case err := <-done:
+		t.Fatalf("%s: Run() = %v before its groups table was loaded", id, err)
 	case <-time.After(30 * time.Second):
 		t.Fatalf("%s: groups table not loaded within 30s", id)
 	}
-	return r
+	return ir
 }
 
-// elect starts the replica's election; stopElection stops it the way SIGTERM does, handing
-// every partition over, and waits for it.
-func (r *inprocReplica) elect() {
-	stop := runUntilCleanup(r.t, "election", r.elector.Run)
-	var once sync.Once
-	r.stopElection = func() { once.Do(stop) }
-	r.t.Cleanup(r.stopElection)
-}
-
-// runUntilCleanup runs f on its own goroutine and returns a func that cancels it, waits for it
-// and checks that it returned nil.
-func runUntilCleanup(t *testing.T, what string, f func(context.Context) error) func() {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f(ctx) }()
-	return func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("%s: Run() = %v, want nil", what, err)
-			}
-		case <-time.After(60 * time.Second):
-			t.Errorf("%s: Run did not return within 60s of cancel", what)
+// keptByFirst returns a device whose partition replica "a", owning every partition, keeps when
+// "b" joins (election.Plan is what the replicas follow), so that the test decides when it moves.
+func keptByFirst(t *testing.T) string {
+	owners := slices.Repeat([]string{"a"}, partitions)
+	_, release := election.Plan("a", []string{"a", "b"}, owners)
+	for i := range 1000 {
+		dev := fmt.Sprintf("dev-%d", i)
+		if !slices.Contains(release, subjects.Partition(dev, partitions)) {
+			return dev
 		}
 	}
+	t.Fatal("no device whose partition A keeps")
+	return ""
 }
 
 // TestGroupSwitchSurvivesHandoffToALaggingReplica checks I4 across a handoff: replica B takes a
@@ -129,11 +96,17 @@ func runUntilCleanup(t *testing.T, what string, f func(context.Context) error) f
 // in order, and nothing after the switch in the old one.
 func TestGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
 	e := newEnv(t)
-	const dev = "dev-42"
+	dev := keptByFirst(t)
 	p := subjects.Partition(dev, partitions)
 	e.put(dev, "group-a")
 
 	a := e.startInprocReplica("a", kv.Config{})
+	natstest.Eventually(t, 30*time.Second, func() error {
+		if n := len(a.Owned()); n != partitions {
+			return fmt.Errorf("A owns %d partitions, want all %d", n, partitions)
+		}
+		return nil
+	})
 	// B's watch parks on the key "barrier" until the test releases it: every later update,
 	// the move of dev-42 among them, stays unapplied by B.
 	reached, gate := make(chan struct{}), make(chan struct{})
@@ -145,15 +118,16 @@ func TestGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
 			<-gate
 		}
 	}})
-	t.Cleanup(release) // runs before B's table is stopped, which waits for the watch
-
-	a.elect()
+	t.Cleanup(release) // runs before B is stopped, which waits for the watch
 	natstest.Eventually(t, 30*time.Second, func() error {
-		if !slices.Contains(a.elector.Owned(), p) {
-			return fmt.Errorf("A owns %v, not partition %d of %s yet", a.elector.Owned(), p, dev)
+		if na, nb := len(a.Owned()), len(b.Owned()); na != partitions/2 || nb != partitions/2 {
+			return fmt.Errorf("A owns %d partitions, B %d; want %d each", na, nb, partitions/2)
 		}
 		return nil
 	})
+	if !slices.Contains(a.Owned(), p) {
+		t.Fatalf("A owns %v after B joined, not partition %d of %s", a.Owned(), p, dev)
+	}
 	ld := newLoad(t, e.js)
 	ld.publish([]string{dev}, 5) // messages 0–4, before the switch
 	e.readStream("OUTGOING", 5, 30*time.Second)
@@ -166,23 +140,22 @@ func TestGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
 	}
 	e.put(dev, "group-b")
 	natstest.Eventually(t, 30*time.Second, func() error {
-		if got, _ := a.table.Lookup(dev); got.Group != "group-b" {
+		if got, _ := a.Lookup(dev); got.Group != "group-b" {
 			return fmt.Errorf("A: Lookup(%s) = %+v, want group-b", dev, got)
 		}
 		return nil
 	})
-	if got, _ := b.table.Lookup(dev); got.Group != "group-a" {
+	if got, _ := b.Lookup(dev); got.Group != "group-a" {
 		t.Fatalf("B: Lookup(%s) = %+v while its watch is held, want group-a", dev, got)
 	}
 	ld.publish([]string{dev}, 5) // messages 5–9, mapped by A after the switch
 	e.readStream("OUTGOING", 10, 30*time.Second)
 
-	// Hand everything over to B: B joins, A leaves the way SIGTERM makes it, deleting its leases.
-	b.elect()
-	a.stopElection()
+	// Hand everything over to B: A leaves the way SIGTERM makes it, deleting its leases.
+	a.stop()
 	natstest.Eventually(t, 30*time.Second, func() error {
-		if !slices.Contains(b.elector.Owned(), p) {
-			return fmt.Errorf("B owns %v, not partition %d of %s yet", b.elector.Owned(), p, dev)
+		if !slices.Contains(b.Owned(), p) {
+			return fmt.Errorf("B owns %v, not partition %d of %s yet", b.Owned(), p, dev)
 		}
 		return nil
 	})

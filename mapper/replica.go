@@ -1,4 +1,4 @@
-package main
+package mapper
 
 import (
 	"context"
@@ -22,13 +22,24 @@ import (
 	"github.com/kvmapper/kvmapper/status"
 )
 
-// replicaConfig is everything one replica needs besides its connection.
-type replicaConfig struct {
-	ID       string
-	Setup    setup.Config
+// ErrInvalidConfig is wrapped by the errors of [New] for a configuration the replica cannot run
+// with (a flag out of range, say), so that a command can tell a usage error from a failure.
+var ErrInvalidConfig = errors.New("mapper: invalid config")
+
+// Config is everything one replica needs besides its connection. Zero fields mean the defaults
+// of each component.
+type Config struct {
+	// ID names the replica: its member key, its leases and its status subject. Required.
+	ID    string
+	Setup setup.Config
+	// Table tunes the groups table; its Logger is set from Logger and OnUpdate is chained
+	// after the replica's own.
+	Table    kv.Config
 	Lanes    lanes.Config    // Layout and Incoming are required; Logger is set from Logger
 	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
 	Logger   zerolog.Logger
+	// Version is reported by the status service and in metrics.
+	Version string
 
 	// MetricsListen is the host:port of the /metrics, /healthz and /readyz server; "" means none.
 	// Port 0 picks a free port; the address is logged ("metrics listening").
@@ -39,9 +50,9 @@ type replicaConfig struct {
 	Host string
 }
 
-// replica wires the components of one kvmapper replica: the groups table (kv), the lanes and the
-// elector that hands partitions to the lanes.
-type replica struct {
+// Replica wires the components of one kvmapper replica: the groups table (kv), the lanes and the
+// elector that hands partitions to the lanes. Its methods are safe for concurrent use.
+type Replica struct {
 	id      string
 	log     zerolog.Logger
 	nc      *nats.Conn
@@ -57,11 +68,17 @@ type replica struct {
 	service       *status.Service
 	events        *status.Events // nil when disabled
 	metricsListen string
+	version       string
 	stopping      atomic.Bool // set when Run's context ends, for /readyz
 }
 
-// newReplica runs setup, opens the buckets and builds the components.
-func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) (*replica, error) {
+// New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
+// the components; it blocks for up to 30 s on setup. Errors from a configuration the components
+// refuse wrap [ErrInvalidConfig].
+func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, error) {
+	if cfg.ID == "" {
+		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
+	}
 	log := cfg.Logger
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
@@ -80,15 +97,20 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
-	r := &replica{id: cfg.ID, log: log, nc: js.Conn(), groups: groups, control: control, metricsListen: cfg.MetricsListen}
-	table, err := kv.New(groups, kv.Config{
-		Logger: log.With().Str("component", "kv").Logger(),
-		OnUpdate: func(u kv.Update) {
-			if !u.Initial {
-				r.metrics.ObserveTableUpdate(u.Deleted)
-			}
-		},
-	})
+	r := &Replica{id: cfg.ID, log: log, nc: js.Conn(), groups: groups, control: control,
+		metricsListen: cfg.MetricsListen, version: cfg.Version}
+	tcfg := cfg.Table
+	tcfg.Logger = log.With().Str("component", "kv").Logger()
+	next := tcfg.OnUpdate
+	tcfg.OnUpdate = func(u kv.Update) {
+		if !u.Initial {
+			r.metrics.ObserveTableUpdate(u.Deleted)
+		}
+		if next != nil {
+			next(u)
+		}
+	}
+	table, err := kv.New(groups, tcfg)
 	if err != nil {
 		return nil, err
 	}
@@ -102,7 +124,7 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 		return e.Group, e.Revision, e.Reason
 	}, lcfg)
 	if err != nil {
-		return nil, asUsage(err, lanes.ErrInvalidConfig)
+		return nil, invalid(err, lanes.ErrInvalidConfig)
 	}
 	ecfg := cfg.Election
 	ecfg.ReplicaID = cfg.ID
@@ -132,7 +154,7 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
 	}, ecfg)
 	if err != nil {
-		return nil, asUsage(err, election.ErrInvalidConfig)
+		return nil, invalid(err, election.ErrInvalidConfig)
 	}
 	r.table, r.pool, r.elector = table, pool, elector
 	if err := r.newObservers(cfg); err != nil {
@@ -148,7 +170,7 @@ func newReplica(ctx context.Context, js jetstream.JetStream, cfg replicaConfig) 
 // The observers (status service, ownership events, metrics server) start first and stop last,
 // so that a replica can be watched while it drains and hands its partitions over; /readyz turns
 // 503 as soon as ctx is done. An observer that fails stops the replica with its error.
-func (r *replica) Run(ctx context.Context, ready func()) error {
+func (r *Replica) Run(ctx context.Context, ready func()) error {
 	parent := ctx
 	ctx, fail := context.WithCancelCause(ctx)
 	defer fail(nil)
@@ -181,17 +203,17 @@ func (r *replica) Run(ctx context.Context, ready func()) error {
 	return nil
 }
 
-// asUsage makes err a usage error (exit code 2) when it wraps sentinel: a configuration built
-// from flags that the component refused.
-func asUsage(err, sentinel error) error {
+// invalid wraps err in [ErrInvalidConfig] when it wraps a component's sentinel: a configuration
+// the component refused.
+func invalid(err, sentinel error) error {
 	if errors.Is(err, sentinel) {
-		return usageError{err}
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	return err
 }
 
 // newObservers builds the metrics, the status service and the ownership events publisher.
-func (r *replica) newObservers(cfg replicaConfig) error {
+func (r *Replica) newObservers(cfg Config) error {
 	host := cfg.Host
 	if host == "" {
 		host, _ = os.Hostname()
@@ -199,7 +221,7 @@ func (r *replica) newObservers(cfg replicaConfig) error {
 	var err error
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica: r.id,
-		Version: version,
+		Version: r.version,
 		UnmappedReasons: []string{lanes.ReasonNoMapping, lanes.ReasonInvalidGroup, lanes.ReasonMalformedSubject,
 			lanes.ReasonOversized, lanes.ReasonRejected},
 		Ready:  r.readyErr,
@@ -212,7 +234,7 @@ func (r *replica) newObservers(cfg replicaConfig) error {
 		Replica: r.id,
 		Control: r.control.Bucket(),
 		Host:    host,
-		Version: version,
+		Version: r.version,
 		Logger:  r.log.With().Str("component", "status").Logger(),
 	})
 	if err != nil {
@@ -240,7 +262,7 @@ func (r *replica) newObservers(cfg replicaConfig) error {
 // startObservers listens for metrics (so that a taken port fails the start) and starts the
 // observers under a context of their own. The returned func stops them and waits for them;
 // an observer that fails before that calls fail with its error.
-func (r *replica) startObservers(ctx context.Context, fail context.CancelCauseFunc) (stop func(), err error) {
+func (r *Replica) startObservers(ctx context.Context, fail context.CancelCauseFunc) (stop func(), err error) {
 	var ln net.Listener
 	if r.metricsListen != "" {
 		ln, err = net.Listen("tcp", r.metricsListen)
@@ -278,7 +300,7 @@ func (r *replica) startObservers(ctx context.Context, fail context.CancelCauseFu
 // observeChange is election's OnChange: it runs on the election's watch goroutine and must not
 // block. Only changes about this replica count, so that N replicas do not report each change N
 // times: its claims (with the gap before them) and the end of its leases.
-func (r *replica) observeChange(c election.Change) {
+func (r *Replica) observeChange(c election.Change) {
 	switch {
 	case c.NewOwner == r.id:
 		r.metrics.ObserveOwnership(metrics.ChangeAcquired, c.Unowned)
@@ -304,7 +326,7 @@ func (r *replica) observeChange(c election.Change) {
 
 // readyErr says why the replica is not ready, or nil: it must be connected to NATS, have loaded
 // the groups table and not be stopping.
-func (r *replica) readyErr() error {
+func (r *Replica) readyErr() error {
 	switch {
 	case r.stopping.Load():
 		return errors.New("stopping: handing partitions over")
@@ -320,7 +342,7 @@ func (r *replica) readyErr() error {
 }
 
 // report is the answer of the status endpoint.
-func (r *replica) report() status.Report {
+func (r *Replica) report() status.Report {
 	st := r.pool.Stats()
 	parts := r.pool.Partitions()
 	rep := status.Report{
@@ -344,7 +366,7 @@ func (r *replica) report() status.Report {
 
 // metricsSnapshot is the metrics source, read at each scrape. The watch lag costs one request
 // to the server (the groups bucket's status).
-func (r *replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
+func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	st := r.pool.Stats()
 	s := metrics.Snapshot{
 		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
@@ -373,3 +395,15 @@ func (r *replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	}
 	return s
 }
+
+// Stats returns the counters of the replica's lanes.
+func (r *Replica) Stats() lanes.Stats { return r.pool.Stats() }
+
+// Devices returns how many devices the groups table holds.
+func (r *Replica) Devices() int { return r.table.Len() }
+
+// Owned returns the partitions this replica holds leases for, sorted.
+func (r *Replica) Owned() []int { return r.elector.Owned() }
+
+// Lookup returns the device's entry in this replica's groups table, as its lanes see it.
+func (r *Replica) Lookup(device string) (kv.Entry, bool) { return r.table.Lookup(device) }
