@@ -54,6 +54,8 @@ type Elector struct {
 	stopping chan struct{} // closed by Run when it starts shutting down
 	owned    atomic.Pointer[[]int]
 	running  atomic.Bool
+	// goroutines are the watch and the holders' Work runs that Run started; Run waits for them.
+	goroutines sync.WaitGroup
 
 	// Owned by the loop goroutine.
 	holders  map[int]*holder
@@ -133,14 +135,13 @@ func (e *Elector) Run(ctx context.Context) error {
 		return err
 	}
 
-	var wg sync.WaitGroup
 	watchCtx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
-	wg.Go(func() { e.watch(watchCtx) })
+	e.goroutines.Go(func() { e.watch(watchCtx) })
 	hbCtx, stopHeartbeat := context.WithCancel(ctx)
 	hbDone := make(chan struct{})
 	go func() { defer close(hbDone); e.heartbeat(hbCtx) }()
 
-	e.loop(ctx, &wg)
+	e.loop(ctx)
 
 	// Leave the membership first, so that the others recompute their quotas without this
 	// replica and claim each partition the moment its lease is deleted instead of after Grace.
@@ -152,19 +153,19 @@ func (e *Elector) Run(ctx context.Context) error {
 		e.exited(<-e.exits)
 	}
 	stopWatch()
-	wg.Wait()
+	e.goroutines.Wait()
 	return nil
 }
 
 // loop claims and releases partitions until ctx is done.
-func (e *Elector) loop(ctx context.Context, wg *sync.WaitGroup) {
+func (e *Elector) loop(ctx context.Context) {
 	tick := time.NewTicker(e.cfg.LeaseTTL)
 	defer tick.Stop()
 	wake := time.NewTimer(time.Hour)
 	defer wake.Stop()
 	ticks := 0
 	for {
-		if next := e.reconcile(ctx, wg); !next.IsZero() {
+		if next := e.reconcile(ctx); !next.IsZero() {
 			wake.Reset(time.Until(next))
 		}
 		select {
@@ -219,7 +220,7 @@ func (e *Elector) kickLoop() {
 // partitions beyond this replica's quota to hand over, claims free partitions up to the quota,
 // and claims any partition unowned longer than Grace. It returns when it next needs to run (zero
 // if only events matter).
-func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
+func (e *Elector) reconcile(ctx context.Context) time.Time {
 	ready, live, slots := e.view.snapshot()
 	if !ready {
 		return time.Time{}
@@ -303,7 +304,7 @@ func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
 	for _, p := range claims {
 		planned[p] = true
 		if !cooling(p) {
-			e.claim(ctx, wg, p, slots[p], true)
+			e.claim(ctx, p, slots[p], true)
 		}
 	}
 	for p, s := range slots {
@@ -314,7 +315,7 @@ func (e *Elector) reconcile(ctx context.Context, wg *sync.WaitGroup) time.Time {
 			later(s.freeSince.Add(e.cfg.Grace))
 			continue
 		}
-		e.claim(ctx, wg, p, s, false)
+		e.claim(ctx, p, s, false)
 	}
 	return next
 }
@@ -353,7 +354,7 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 
 // claim tries to create partition p's lease and, on success, starts its holder. planned says
 // whether [Plan] asked for it (within the quota) rather than Grace.
-func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, planned bool) {
+func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	key := leaseKey(p)
 	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
 	defer cancel()
@@ -377,7 +378,7 @@ func (e *Elector) claim(ctx context.Context, wg *sync.WaitGroup, p int, s slot, 
 	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
 		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
 		Msg("partition claimed")
-	wg.Go(func() { e.exits <- h.run(ctx) })
+	e.goroutines.Go(func() { e.exits <- h.run(ctx) })
 }
 
 // exited forgets a holder that ended and schedules a backoff after a Work failure.

@@ -2,13 +2,14 @@ package election
 
 import "strconv"
 
-// Rank returns the member that ranks first for partition p by rendezvous (highest-random-weight)
+// rank returns the member that ranks first for partition p by rendezvous (highest-random-weight)
 // hashing, or "" when members is empty. It depends only on p and the set of members (not their
 // order or duplicates), so every replica that sees the same members computes the same owner, and
 // adding or removing a member moves only the partitions that member ranks first for. It balances
-// only on average; the [Elector] assigns by [Quota] and [Plan], which order each replica's
-// preferences by the same weights. It is a pure function, safe for concurrent use.
-func Rank(p int, members []string) string {
+// only on average, so the [Elector] does not assign by it: it assigns by [Quota] and [Plan],
+// which order each replica's preferences by the same weights. rank is kept, and tested, as the
+// statement of what those weights mean.
+func rank(p int, members []string) string {
 	var best string
 	var bestW uint64
 	for i, m := range members {
