@@ -14,9 +14,6 @@ import (
 	"github.com/rs/zerolog"
 )
 
-// ReasonInvalidGroup is the [Entry.Reason] of a device whose value is not one valid subject token.
-const ReasonInvalidGroup = "invalid-group"
-
 // ErrInvalidConfig is wrapped by the error [New] returns for an unusable argument.
 var ErrInvalidConfig = errors.New("kv: invalid config")
 
@@ -49,9 +46,9 @@ type Update struct {
 
 // Entry is what the table holds for one device.
 type Entry struct {
-	Group    string // valid group token, or "" when Reason is set
+	Group    string // valid group token, or "" when Invalid
 	Revision uint64 // KV revision of the value
-	Reason   string // "" for a valid mapping, else "invalid-group" (the value is not one valid subject token)
+	Invalid  bool   // the value is not one valid subject token (see subjects.IsValidToken)
 }
 
 // numShards must be a power of two. 256 locks keep 16 concurrent readers (and the one writer)
@@ -201,7 +198,7 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 func (t *Table) Ready() <-chan struct{} { return t.ready }
 
 // Lookup returns the device's entry; ok is false when the device has no key (never put, deleted
-// or purged). An invalid value gives ok true with Reason [ReasonInvalidGroup].
+// or purged). An invalid value gives ok true with Invalid set.
 // Safe for concurrent use; zero allocations.
 func (t *Table) Lookup(device string) (e Entry, ok bool) {
 	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
@@ -212,7 +209,7 @@ func (t *Table) Lookup(device string) (e Entry, ok bool) {
 		return Entry{}, false
 	}
 	if v.group == 0 {
-		return Entry{Revision: v.rev, Reason: ReasonInvalidGroup}, true
+		return Entry{Revision: v.rev, Invalid: true}, true
 	}
 	// The index was written after the group was published, and the shard lock orders the two.
 	return Entry{Group: (*t.groups.Load())[v.group], Revision: v.rev}, true
@@ -267,7 +264,7 @@ func (t *Table) put(device string, group []byte, valid bool, rev uint64) Entry {
 	t.n.Add(int64(added))
 	t.bumpRevision(rev)
 	if !valid {
-		return Entry{Revision: rev, Reason: ReasonInvalidGroup}
+		return Entry{Revision: rev, Invalid: true}
 	}
 	return Entry{Group: (*t.groups.Load())[idx], Revision: rev}
 }

@@ -241,7 +241,7 @@ func TestInvalidValues(t *testing.T) {
 	}
 	for dev, value := range invalid {
 		rev := put(t, b, dev, value)
-		natstest.Eventually(t, wait, hasEntry(tb, dev, kv.Entry{Revision: rev, Reason: kv.ReasonInvalidGroup}))
+		natstest.Eventually(t, wait, hasEntry(tb, dev, kv.Entry{Revision: rev, Invalid: true}))
 	}
 	// An invalid device becomes valid again with a valid value.
 	rev := put(t, b, "dot", "group-b\n")

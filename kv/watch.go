@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // errWatchStopped means the watcher's updates channel closed while Run's context was alive:
@@ -238,7 +240,7 @@ func (t *Table) apply(e jetstream.KeyValueEntry, initial bool) {
 		return
 	}
 	value := trimNewlines(e.Value())
-	valid := validGroup(string(value))
+	valid := subjects.IsValidToken(string(value))
 	if !valid {
 		t.warnInvalid(device, e.Value(), rev)
 	}

@@ -21,6 +21,9 @@ const (
 	ReasonDropped = "dropped"
 )
 
+// Reasons are the reasons a message can carry in [HeaderReason], in the order above.
+var Reasons = []string{ReasonNoMapping, ReasonInvalidGroup, ReasonMalformedSubject, ReasonOversized, ReasonRejected}
+
 // Headers kvmapper sets on the messages it publishes.
 const (
 	HeaderReason    = "KVMapper-Reason"      // why a message went to UNMAPPED

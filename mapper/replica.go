@@ -121,7 +121,10 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		if !ok {
 			return "", 0, lanes.ReasonNoMapping
 		}
-		return e.Group, e.Revision, e.Reason
+		if e.Invalid {
+			return "", e.Revision, lanes.ReasonInvalidGroup
+		}
+		return e.Group, e.Revision, ""
 	}, lcfg)
 	if err != nil {
 		return nil, invalid(err, lanes.ErrInvalidConfig)
@@ -222,8 +225,7 @@ func (r *Replica) newObservers(cfg Config) error {
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica: r.id,
 		Version: r.version,
-		UnmappedReasons: []string{lanes.ReasonNoMapping, lanes.ReasonInvalidGroup, lanes.ReasonMalformedSubject,
-			lanes.ReasonOversized, lanes.ReasonRejected},
+		UnmappedReasons: lanes.Reasons,
 		Ready:  r.readyErr,
 		Logger: r.log.With().Str("component", "metrics").Logger(),
 	})

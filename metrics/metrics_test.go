@@ -63,7 +63,10 @@ func TestMetricsOfARealPool(t *testing.T) {
 		if !ok {
 			return "", 0, lanes.ReasonNoMapping
 		}
-		return e.Group, e.Revision, e.Reason
+		if e.Invalid {
+			return "", e.Revision, lanes.ReasonInvalidGroup
+		}
+		return e.Group, e.Revision, ""
 	}, lanes.Config{Layout: lay, CheckpointInterval: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

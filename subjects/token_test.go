@@ -49,3 +49,22 @@ func TestValidToken(t *testing.T) {
 		})
 	}
 }
+
+// IsValidToken and ValidToken agree: the groups table checks values with the one, and every
+// other token (replica ids, groups in setup) with the other.
+func FuzzIsValidToken(f *testing.F) {
+	for _, s := range []string{"", "a", "a.b", "*", ">", "a b", "a\tb", "\x7f", "\xff", "\u00a0", "\u0085", "grüppe", "\ufffd"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if got, want := subjects.IsValidToken(s), subjects.ValidToken(s) == nil; got != want {
+			t.Errorf("IsValidToken(%q) = %v, ValidToken(%q) = %v", s, got, s, subjects.ValidToken(s))
+		}
+	})
+}
+
+func TestIsValidTokenAllocs(t *testing.T) {
+	if n := testing.AllocsPerRun(100, func() { subjects.IsValidToken("group-with-a-longish-name") }); n != 0 {
+		t.Errorf("IsValidToken allocates %v times per call, want 0", n)
+	}
+}
