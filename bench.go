@@ -173,7 +173,7 @@ func benchReplica(log zerolog.Logger) bench.ReplicaFunc {
 			return err
 		}
 		rlog := log.With().Str("replica", id).Logger()
-		// The options of kvmapper run that matter to the mapping (see connect); the bench's server
+		// The options of kvmapper run that matter to the mapping (see natsconn.Dial); the bench's server
 		// needs no authentication.
 		nc, err := nats.Connect(url, nats.Name("kvmapper bench "+id), nats.MaxReconnects(-1),
 			nats.ReconnectWait(250*time.Millisecond), nats.ReconnectBufSize(-1))
