@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,10 +12,9 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
-	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 )
 
@@ -24,14 +22,14 @@ import (
 const secret = "hunter2-s3cret"
 
 // settingsFor parses args (after the program name) with the connection flags and returns
-// connSettingsFrom's result.
-func settingsFor(t *testing.T, args ...string) (connSettings, error) {
+// connSettings's result.
+func settingsFor(t *testing.T, args ...string) (natsconn.Settings, error) {
 	t.Helper()
-	var s connSettings
+	var s natsconn.Settings
 	var err error
 	app := &cli.App{Flags: connFlags(), Writer: &bytes.Buffer{}, ErrWriter: &bytes.Buffer{},
 		Action: func(c *cli.Context) error {
-			s, err = connSettingsFrom(c)
+			s, err = connSettings(c)
 			return nil
 		}}
 	if rerr := app.Run(append([]string{"kvmapper"}, args...)); rerr != nil {
@@ -83,12 +81,12 @@ func TestConnContextIsRead(t *testing.T) {
 	})
 	s, err := settingsFor(t, "--context", "prod")
 	if err != nil {
-		t.Fatalf("connSettingsFrom: %v", err)
+		t.Fatalf("connSettings: %v", err)
 	}
-	want := connSettings{URL: "nats://a:4222,nats://b:4222", Token: secret, CA: ca, InboxPrefix: "_INBOX_kvmapper", TLSFirst: true,
-		ConnectTimeout: 2 * time.Second, ReconnectWait: 250 * time.Millisecond, Context: path}
+	want := natsconn.Settings{URL: "nats://a:4222,nats://b:4222", Token: secret, CA: ca, InboxPrefix: "_INBOX_kvmapper", TLSFirst: true,
+		ConnectTimeout: 2 * time.Second, ReconnectWait: 250 * time.Millisecond, ContextPath: path}
 	if s != want {
-		t.Errorf("connSettingsFrom() = %+v, want %+v", s, want)
+		t.Errorf("connSettings() = %+v, want %+v", s, want)
 	}
 	// The environment variable the nats CLI reads names the context too; a .json path works.
 	t.Setenv("NATS_CONTEXT", path)
@@ -99,39 +97,46 @@ func TestConnContextIsRead(t *testing.T) {
 
 func TestConnFlagsOverrideContext(t *testing.T) {
 	creds := touch(t, "user.creds")
-	writeContext(t, "dev", map[string]any{"url": "nats://ctx:4222", "user": "alice", "password": "data:;base64," + base64.StdEncoding.EncodeToString([]byte(secret))})
+	writeContext(t, "dev", map[string]any{"url": "nats://ctx:4222", "user": "alice", "password": "data:;base64," + base64.StdEncoding.EncodeToString([]byte(secret)),
+		"tls_first": true, "inbox_prefix": "_INBOX_ctx"})
 	for _, tc := range []struct {
 		name string
 		args []string
-		want func(connSettings) error
+		want func(natsconn.Settings) error
 	}{
-		{"context alone", nil, func(s connSettings) error {
-			if s.URL != "nats://ctx:4222" || s.User != "alice" || s.Password != secret {
-				return errors.New("want the context's url, user and decoded password")
+		{"context alone", nil, func(s natsconn.Settings) error {
+			if s.URL != "nats://ctx:4222" || s.User != "alice" || s.Password != secret || !s.TLSFirst || s.InboxPrefix != "_INBOX_ctx" {
+				return errors.New("want the context's url, user, decoded password, tls_first and inbox_prefix")
 			}
 			return nil
 		}},
-		{"server flag", []string{"--server", "nats://flag:4222"}, func(s connSettings) error {
+		{"server flag", []string{"--server", "nats://flag:4222"}, func(s natsconn.Settings) error {
 			if s.URL != "nats://flag:4222" || s.User != "alice" {
 				return errors.New("want the flag's URL and the context's user")
 			}
 			return nil
 		}},
-		{"creds flag replaces the identity", []string{"--creds", creds}, func(s connSettings) error {
+		{"creds flag replaces the identity", []string{"--creds", creds}, func(s natsconn.Settings) error {
 			if s.Creds != creds || s.User != "" || s.Password != "" {
 				return errors.New("want the creds file only")
 			}
 			return nil
 		}},
-		{"password flag replaces the password", []string{"--password", "other"}, func(s connSettings) error {
+		{"password flag replaces the password", []string{"--password", "other"}, func(s natsconn.Settings) error {
 			if s.User != "alice" || s.Password != "other" {
 				return errors.New("want alice with the flag's password")
 			}
 			return nil
 		}},
-		{"lone user is a token, as in the nats CLI", []string{"--user", "tok"}, func(s connSettings) error {
-			if s.Token != "tok" || s.User != "" {
-				return errors.New("want token tok")
+		{"user flag replaces the identity", []string{"--user", "tok"}, func(s natsconn.Settings) error {
+			if s.User != "tok" || s.Password != "" || s.Token != "" {
+				return errors.New("want user tok without the context's password")
+			}
+			return nil
+		}},
+		{"false flag overrides a true context value", []string{"--tls-first=false", "--inbox-prefix", ""}, func(s natsconn.Settings) error {
+			if s.TLSFirst || s.InboxPrefix != "" {
+				return errors.New("want tls_first and inbox_prefix cleared")
 			}
 			return nil
 		}},
@@ -139,10 +144,10 @@ func TestConnFlagsOverrideContext(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s, err := settingsFor(t, append([]string{"--context", "dev"}, tc.args...)...)
 			if err != nil {
-				t.Fatalf("connSettingsFrom: %v", err)
+				t.Fatalf("connSettings: %v", err)
 			}
 			if err := tc.want(s); err != nil {
-				t.Errorf("connSettingsFrom() = %+v: %v", s, err)
+				t.Errorf("connSettings() = %+v: %v", s, err)
 			}
 		})
 	}
@@ -155,23 +160,25 @@ func TestConnFlagsOverrideContext(t *testing.T) {
 	})
 }
 
-func TestConnContextErrors(t *testing.T) {
+// TestConnFlagErrors checks that what the user typed wrong is a usage error (exit code 2) and
+// that a context file kvmapper cannot use is not; internal/natsconn tests the messages in full.
+func TestConnFlagErrors(t *testing.T) {
 	path := writeContext(t, "odd", map[string]any{"url": "nats://x:4222", "password": secret})
 	for _, tc := range []struct {
 		name    string
 		context any
 		args    []string
-		want    []string
+		want    string
+		usage   bool
 	}{
-		{"missing", nil, []string{"--context", "nope"}, []string{filepath.Join(filepath.Dir(path), "nope.json"), "does not exist", "nats context save"}},
-		{"path in name", nil, []string{"--context", "../etc/x"}, []string{"path separators"}},
-		{"bad json", `{"password": "` + secret + `", `, []string{"--context", "ctx"}, []string{"invalid JSON"}},
-		{"op reference", map[string]any{"token": "op://vault/" + secret}, []string{"--context", "ctx"}, []string{"token", "op://", "env://NAME"}},
-		{"unset env", map[string]any{"password": "env://NO_SUCH_VAR_X", "user": "u"}, []string{"--context", "ctx"}, []string{"NO_SUCH_VAR_X", "not set"}},
-		{"domain", map[string]any{"jetstream_domain": "hub"}, []string{"--context", "ctx"}, []string{"JetStream domain", "does not support"}},
-		{"creds from env", map[string]any{"creds": "env://X"}, []string{"--context", "ctx"}, []string{"only from a file"}},
-		{"two identities", nil, []string{"--user", "u", "--password", "p", "--token", secret}, []string{"give one of", `user "u"`, "a token"}},
-		{"missing creds file", nil, []string{"--creds", "/no/such.creds"}, []string{"--creds", "/no/such.creds", "no such file"}},
+		{"missing", nil, []string{"--context", "nope"}, filepath.Join(filepath.Dir(path), "nope.json") + " does not exist", true},
+		{"path in name", nil, []string{"--context", "../etc/x"}, "path separators", true},
+		{"bad json", `{"password": "` + secret + `", `, []string{"--context", "ctx"}, "invalid JSON", false},
+		{"domain", map[string]any{"jetstream_domain": "hub"}, []string{"--context", "ctx"}, "does not support", false},
+		{"two identities", nil, []string{"--user", "u", "--password", "p", "--token", secret}, "give one of", true},
+		{"password without user", nil, []string{"--password", secret}, "--password needs --user", true},
+		{"missing creds file", nil, []string{"--creds", "/no/such.creds"}, "/no/such.creds", true},
+		{"zero timeout", nil, []string{"--connect-timeout", "0s"}, "must be positive", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			switch c := tc.context.(type) {
@@ -185,12 +192,13 @@ func TestConnContextErrors(t *testing.T) {
 			}
 			_, err := settingsFor(t, tc.args...)
 			if err == nil {
-				t.Fatalf("connSettingsFrom(%v) = nil error, want one saying %q", tc.args, tc.want)
+				t.Fatalf("connSettings(%v) = nil error, want one saying %q", tc.args, tc.want)
 			}
-			for _, w := range tc.want {
-				if !strings.Contains(err.Error(), w) {
-					t.Errorf("connSettingsFrom(%v) error %q does not say %q", tc.args, err, w)
-				}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("connSettings(%v) error %q does not say %q", tc.args, err, tc.want)
+			}
+			if usage := errors.As(err, new(usageError)); usage != tc.usage {
+				t.Errorf("connSettings(%v) error %q is a usage error: %v, want %v", tc.args, err, usage, tc.usage)
 			}
 			if strings.Contains(err.Error(), secret) {
 				t.Errorf("error %q shows the secret", err)
@@ -239,81 +247,5 @@ func TestConnErrorsHideSecrets(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	if code := realMain([]string{"kvmapper", "run", "--help"}, &stdout, &stderr); code != 0 || strings.Contains(stdout.String(), secret) {
 		t.Errorf("run --help with NATS_PASSWORD set: exit %d, shows the secret: %v", code, strings.Contains(stdout.String(), secret))
-	}
-}
-
-func TestConnPermissionViolationLog(t *testing.T) {
-	var buf bytes.Buffer
-	log := zerolog.New(&buf)
-	limit := &logLimiter{every: time.Hour}
-	for i := range 100 {
-		err := fmt.Errorf("%w: Permissions Violation for Publish to %q", nats.ErrPermissionViolation, fmt.Sprintf("outgoing.g.dev-%d.evt", i))
-		asyncError(log, limit, nil, err)
-	}
-	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
-	if len(lines) != 1 {
-		t.Fatalf("100 violations logged %d lines, want 1 within the interval:\n%s", len(lines), buf.String())
-	}
-	var l map[string]any
-	if err := json.Unmarshal([]byte(lines[0]), &l); err != nil {
-		t.Fatal(err)
-	}
-	if l["grant"] != "outgoing.>" || l["operation"] != "publish" || l["subject"] != "outgoing.g.dev-0.evt" {
-		t.Errorf("violation logged as %v, want operation publish, subject outgoing.g.dev-0.evt, grant outgoing.>", l)
-	}
-	if !strings.Contains(l["message"].(string), `grant it publish on "outgoing.>"`) {
-		t.Errorf("message %q does not say what to grant", l["message"])
-	}
-}
-
-func TestConnLogLimiter(t *testing.T) {
-	l := &logLimiter{every: time.Second}
-	t0 := time.Now()
-	for i, step := range []struct {
-		at         time.Duration
-		kind       string
-		ok         bool
-		suppressed int
-	}{
-		{0, "a", true, 0},
-		{100 * time.Millisecond, "a", false, 0},
-		{200 * time.Millisecond, "a", false, 0},
-		{300 * time.Millisecond, "b", true, 0},
-		{1100 * time.Millisecond, "a", true, 2},
-		{1200 * time.Millisecond, "a", false, 0},
-	} {
-		n, ok := l.allowAt(step.kind, t0.Add(step.at))
-		if ok != step.ok || n != step.suppressed {
-			t.Errorf("step %d: allowAt(%s, +%v) = %d, %v; want %d, %v", i, step.kind, step.at, n, ok, step.suppressed, step.ok)
-		}
-	}
-}
-
-func TestConnGrantFor(t *testing.T) {
-	for subject, want := range map[string]string{
-		"outgoing.g.dev.evt": "outgoing.>",
-		"$JS.API.CONSUMER.CREATE.INCOMING.abc.incoming.3.>":        "$JS.API.CONSUMER.CREATE.INCOMING.>",
-		"$JS.API.CONSUMER.CREATE.KV_kvmapper.abc":                  "$JS.API.CONSUMER.CREATE.KV_kvmapper.>",
-		"$JS.API.CONSUMER.MSG.NEXT.INCOMING.abc":                   "$JS.API.CONSUMER.MSG.NEXT.INCOMING.*",
-		"$JS.API.CONSUMER.DELETE.INCOMING.abc":                     "$JS.API.CONSUMER.DELETE.INCOMING.*",
-		"$JS.API.DIRECT.GET.KV_kvmapper.$KV.kvmapper.checkpoint.3": "$JS.API.DIRECT.GET.KV_kvmapper.>",
-		"$JS.API.STREAM.INFO.INCOMING":                             "$JS.API.STREAM.INFO.INCOMING",
-		"$KV.kvmapper.lease.3":                                     "$KV.kvmapper.>",
-		"$JS.FC.KV_device-groups.abc.1":                            "$JS.FC.KV_device-groups.>",
-		"$SRV.PING.kvmapper":                                       "$SRV.>",
-		"_INBOX.abc.def":                                           "_INBOX.>",
-		"kvmapper.status.kvmapper.m1":                              "kvmapper.status.kvmapper.*",
-		"kvmapper.events.ownership":                                "kvmapper.events.ownership",
-	} {
-		if got := grantFor(subject); got != want {
-			t.Errorf("grantFor(%q) = %q, want %q", subject, got, want)
-		}
-	}
-}
-
-func TestConnRedactURLs(t *testing.T) {
-	got := redactURLs("nats://u:" + secret + "@a:4222, nats://" + secret + "@b:4222,nats://c:4222")
-	if strings.Contains(got, secret) || !strings.Contains(got, "nats://c:4222") {
-		t.Errorf("redactURLs() = %q", got)
 	}
 }

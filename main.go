@@ -3,8 +3,9 @@
 // with the device→group table in a NATS KV bucket, per-device order kept, and partitions shared
 // among replicas through KV leases.
 //
-// main.go builds the command line; run.go wires the components. Only this package dials NATS or
-// starts an embedded server.
+// main.go builds the command line; the commands map flags to the packages' configurations:
+// package mapper is the replica, internal/natsconn dials NATS. Only this package (through
+// internal/natsconn) dials NATS or starts an embedded server.
 package main
 
 import (

@@ -15,10 +15,10 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/election"
+	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
@@ -67,7 +67,11 @@ func setupCommand() *cli.Command {
 				return err
 			}
 			scfg, log := cm.setup, cm.log
-			nc, js, err := dial(c, "kvmapper setup", log)
+			s, err := connSettings(c)
+			if err != nil {
+				return err
+			}
+			nc, js, err := natsconn.Dial(s, "kvmapper setup", log)
 			if err != nil {
 				return err
 			}
@@ -148,15 +152,18 @@ func runAction(c *cli.Context) error {
 		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
-	nc, err := connect(c, servers, "kvmapper "+id, log)
+	s, err := connSettings(c)
+	if err != nil {
+		return err
+	}
+	if c.Bool("embedded") {
+		s.URL = servers // the embedded server's
+	}
+	nc, js, err := natsconn.Dial(s, "kvmapper "+id, log)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:      id,
 		Version: version,

@@ -13,6 +13,7 @@ import (
 	"github.com/mattn/go-isatty"
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/status"
 )
 
@@ -56,7 +57,11 @@ func statusAction(c *cli.Context) error {
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	nc, js, err := dial(c, "kvmapper status", log)
+	s, err := connSettings(c)
+	if err != nil {
+		return err
+	}
+	nc, js, err := natsconn.Dial(s, "kvmapper status", log)
 	if err != nil {
 		return err
 	}

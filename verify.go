@@ -14,6 +14,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/audit"
+	"github.com/kvmapper/kvmapper/internal/natsconn"
 )
 
 func verifyCommand() *cli.Command {
@@ -55,7 +56,11 @@ func verifyAction(c *cli.Context) error {
 
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	nc, js, err := dial(c, "kvmapper verify", log)
+	s, err := connSettings(c)
+	if err != nil {
+		return err
+	}
+	nc, js, err := natsconn.Dial(s, "kvmapper verify", log)
 	if err != nil {
 		return err
 	}

@@ -223,11 +223,11 @@ func (r *Replica) newObservers(cfg Config) error {
 	}
 	var err error
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
-		Replica: r.id,
-		Version: r.version,
+		Replica:         r.id,
+		Version:         r.version,
 		UnmappedReasons: lanes.Reasons,
-		Ready:  r.readyErr,
-		Logger: r.log.With().Str("component", "metrics").Logger(),
+		Ready:           r.readyErr,
+		Logger:          r.log.With().Str("component", "metrics").Logger(),
 	})
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package main
+package natsconn
 
 import (
 	"encoding/base64"
@@ -34,7 +34,7 @@ func contextPath(name string) (string, error) {
 		}
 	}
 	if name == "." || name == ".." || strings.ContainsAny(name, `/\`) {
-		return "", usagef("invalid value %q for flag --context: a context name has no path separators (or give an existing .json file)", name)
+		return "", invalidf("invalid value %q for flag --context: a context name has no path separators (or give an existing .json file)", name)
 	}
 	root := os.Getenv("XDG_CONFIG_HOME")
 	if root == "" {
@@ -47,42 +47,48 @@ func contextPath(name string) (string, error) {
 	return filepath.Join(root, "nats", "context", name+".json"), nil
 }
 
-// loadContext reads the nats CLI context name into settings.
-func loadContext(name string) (connSettings, error) {
+// LoadContext reads the nats CLI context name: one saved by `nats context save` (under
+// $XDG_CONFIG_HOME/nats/context, by default ~/.config/nats/context), or an existing .json file.
+// It resolves env:// and data: references and expands file paths as the nats CLI does, and sets
+// ContextPath; the timeouts are left zero. The error wraps [ErrInvalid] if name names no context
+// file. A context that asks for what kvmapper does not support (nsc lookups, a JetStream domain
+// or API prefix, a SOCKS proxy, a Windows certificate store) is an error that says so. Errors
+// never contain the file's secrets.
+func LoadContext(name string) (Settings, error) {
 	path, err := contextPath(name)
 	if err != nil {
-		return connSettings{}, err
+		return Settings{}, err
 	}
 	b, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
-		return connSettings{}, usagef("invalid value %q for flag --context: %s does not exist (list contexts with `nats context ls`, create one with `nats context save %s --server URL …`)", name, path, name)
+		return Settings{}, invalidf("invalid value %q for flag --context: %s does not exist (list contexts with `nats context ls`, create one with `nats context save %s --server URL …`)", name, path, name)
 	}
 	if err != nil {
-		return connSettings{}, fmt.Errorf("reading nats context %q: %w", name, err)
+		return Settings{}, fmt.Errorf("reading nats context %q: %w", name, err)
 	}
 	var nc natsContext
 	if err := json.Unmarshal(b, &nc); err != nil {
 		// The JSON error may quote the file, and the file holds secrets: name only the position.
 		var se *json.SyntaxError
 		if errors.As(err, &se) {
-			return connSettings{}, fmt.Errorf("reading nats context %s: invalid JSON at byte %d", path, se.Offset)
+			return Settings{}, fmt.Errorf("reading nats context %s: invalid JSON at byte %d", path, se.Offset)
 		}
-		return connSettings{}, fmt.Errorf("reading nats context %s: not a nats context file", path)
+		return Settings{}, fmt.Errorf("reading nats context %s: not a nats context file", path)
 	}
 	unsupported := func(field, what string) error {
 		return fmt.Errorf("nats context %s sets %s, which kvmapper does not support: %s", path, field, what)
 	}
 	switch {
 	case nc.NSC != "":
-		return connSettings{}, unsupported("nsc", "export the user's credentials (nsc generate creds) and set creds to that file")
+		return Settings{}, unsupported("nsc", "export the user's credentials (nsc generate creds) and set creds to that file")
 	case nc.JSDomain != "" || nc.JSAPIPrefix != "":
-		return connSettings{}, unsupported("a JetStream domain or API prefix", "connect in the account that holds the streams")
+		return Settings{}, unsupported("a JetStream domain or API prefix", "connect in the account that holds the streams")
 	case nc.SocksProxy != "":
-		return connSettings{}, unsupported("socks_proxy", "reach the server directly")
+		return Settings{}, unsupported("socks_proxy", "reach the server directly")
 	case nc.WinCertStore != "":
-		return connSettings{}, unsupported("a Windows certificate store", "use cert, key and ca files")
+		return Settings{}, unsupported("a Windows certificate store", "use cert, key and ca files")
 	}
-	s := connSettings{URL: nc.URL, User: nc.User, InboxPrefix: nc.InboxPrefix, TLSFirst: nc.TLSFirst, Context: path}
+	s := Settings{URL: nc.URL, User: nc.User, InboxPrefix: nc.InboxPrefix, TLSFirst: nc.TLSFirst, ContextPath: path}
 	for _, f := range []struct {
 		field, from string
 		to          *string
@@ -100,7 +106,7 @@ func loadContext(name string) (connSettings, error) {
 	} {
 		v, err := resolveRef(f.from, f.filePath)
 		if err != nil {
-			return connSettings{}, fmt.Errorf("nats context %s, field %s: %w", path, f.field, err)
+			return Settings{}, fmt.Errorf("nats context %s, field %s: %w", path, f.field, err)
 		}
 		*f.to = v
 	}
