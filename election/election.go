@@ -13,6 +13,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/internal/kvcas"
 )
 
 // graceHold is how many lease TTLs a partition claimed past Grace, beyond this replica's quota,
@@ -361,7 +363,7 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	sent := e.cfg.Clock()
 	rev, err := e.kv.Create(cctx, key, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.LeaseTTL))
 	if err != nil {
-		if isCASConflict(err) {
+		if kvcas.IsConflict(err) {
 			err = fmt.Errorf("%w: %w", ErrLeaseHeld, err)
 		}
 		e.log.Debug().Err(err).Int("partition", p).Msg("claim failed")
@@ -414,7 +416,7 @@ func (e *Elector) join(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, e.cfg.LeaseTTL)
 	defer cancel()
 	_, err := e.kv.Create(cctx, e.memberKey, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.MemberTTL))
-	if isCASConflict(err) {
+	if kvcas.IsConflict(err) {
 		e.log.Warn().Msg("member key already exists: an earlier run that did not leave, or a duplicate replica id")
 		err = e.putMember(cctx)
 	}

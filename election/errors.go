@@ -1,10 +1,6 @@
 package election
 
-import (
-	"errors"
-
-	"github.com/nats-io/nats.go/jetstream"
-)
+import "errors"
 
 var (
 	// ErrInvalidConfig is wrapped by the error [New] returns for an unusable [Config], and by
@@ -21,20 +17,3 @@ var (
 	// lease.
 	ErrLeaseHeld = errors.New("election: lease held by another replica")
 )
-
-// isCASConflict reports whether err is a JetStream compare-and-set conflict ("wrong last
-// sequence"), in any of the shapes nats.go reports it (10071 on R1 streams, 10164 on R3).
-func isCASConflict(err error) bool {
-	if err == nil {
-		return false
-	}
-	if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
-		return true
-	}
-	var apiErr *jetstream.APIError
-	if errors.As(err, &apiErr) {
-		return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
-			apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
-	}
-	return false
-}

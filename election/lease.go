@@ -11,6 +11,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/kvcas"
 )
 
 // Lease is one partition owned by this replica, handed to [Work].
@@ -129,7 +131,7 @@ func (h *holder) run(parent context.Context) exit {
 		case <-renewC:
 			switch err := h.renew(); {
 			case err == nil:
-			case isCASConflict(err):
+			case kvcas.IsConflict(err):
 				lose("renewal refused", err)
 				continue
 			default:
@@ -200,7 +202,7 @@ func (h *holder) renew() error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	sent, ack, err := h.publishRenewal(ctx)
-	if isCASConflict(err) && h.adopt(ctx) {
+	if kvcas.IsConflict(err) && h.adopt(ctx) {
 		sent, ack, err = h.publishRenewal(ctx)
 	}
 	if err != nil {
@@ -275,7 +277,7 @@ func (h *holder) delete() {
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
 	defer cancel()
 	err := e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
-	if isCASConflict(err) && h.adopt(ctx) {
+	if kvcas.IsConflict(err) && h.adopt(ctx) {
 		err = e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
 	}
 	h.lease.revoke()

@@ -12,6 +12,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 )
 
 // ErrInvalidConfig is wrapped by the error [New] returns for an unusable argument.
@@ -145,7 +147,7 @@ type Table struct {
 	// Owned by the goroutine running Run.
 	intern  map[string]uint32
 	gen     uint32
-	invalid limiter
+	invalid ratelog.Limiter // one warning a second about invalid values
 }
 
 // New returns a Table for bucket. It does no I/O: call [Table.Run] to load and watch the bucket.

@@ -252,7 +252,7 @@ func (t *Table) apply(e jetstream.KeyValueEntry, initial bool) {
 
 // warnInvalid logs an invalid value, at most once per second with a count of suppressed ones.
 func (t *Table) warnInvalid(device string, value []byte, rev uint64) {
-	ok, suppressed := t.invalid.allow(time.Now())
+	suppressed, ok := t.invalid.Allow("invalid")
 	if !ok {
 		return
 	}
@@ -264,19 +264,4 @@ func (t *Table) warnInvalid(device string, value []byte, rev uint64) {
 	t.log.Warn().Str("device", device).Bytes("value", shown).Int("value_len", len(value)).
 		Uint64("revision", rev).Int("suppressed", suppressed).
 		Msg("invalid group value; device will be unmapped with reason invalid-group")
-}
-
-// limiter allows one event per second and counts the ones it refuses in between.
-type limiter struct {
-	last       time.Time
-	suppressed int
-}
-
-func (l *limiter) allow(now time.Time) (ok bool, suppressed int) {
-	if !l.last.IsZero() && now.Sub(l.last) < time.Second {
-		l.suppressed++
-		return false, 0
-	}
-	l.last, suppressed, l.suppressed = now, l.suppressed, 0
-	return true, suppressed
 }

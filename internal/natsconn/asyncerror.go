@@ -4,11 +4,11 @@ import (
 	"errors"
 	"regexp"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 )
 
 // permissionRE picks the operation and subject out of nats.go's permissions violation error.
@@ -17,7 +17,7 @@ var permissionRE = regexp.MustCompile(`(Publish|Subscription) to "([^"]+)"`)
 // asyncError logs an error the server sent outside any request: at most one line per second
 // for each kind (permissions, other), counting the rest as suppressed. A permissions violation
 // names the permission to grant: kvmapper keeps retrying, so granting it resumes the work.
-func asyncError(log zerolog.Logger, limit *logLimiter, sub *nats.Subscription, err error) {
+func asyncError(log zerolog.Logger, limit *ratelog.Limiter, sub *nats.Subscription, err error) {
 	if errors.Is(err, nats.ErrPermissionViolation) {
 		op, subject := "publish", ""
 		if m := permissionRE.FindStringSubmatch(err.Error()); m != nil {
@@ -26,7 +26,7 @@ func asyncError(log zerolog.Logger, limit *logLimiter, sub *nats.Subscription, e
 				op = "subscribe"
 			}
 		}
-		suppressed, ok := limit.allow("permissions")
+		suppressed, ok := limit.Allow("permissions")
 		if !ok {
 			return
 		}
@@ -36,7 +36,7 @@ func asyncError(log zerolog.Logger, limit *logLimiter, sub *nats.Subscription, e
 				op, subject, op, grant)
 		return
 	}
-	suppressed, ok := limit.allow("other")
+	suppressed, ok := limit.Allow("other")
 	if !ok {
 		return
 	}
@@ -74,32 +74,4 @@ func grantFor(subject string) string {
 		return subject
 	}
 	return t[0] + ".>" // the outputs (outgoing.>, unmapped.>) and inboxes (_INBOX.>)
-}
-
-// logLimiter lets one line per kind through every interval and counts the others. It is safe
-// for concurrent use.
-type logLimiter struct {
-	every time.Duration
-	mu    sync.Mutex
-	last  map[string]time.Time
-	skip  map[string]int
-}
-
-// allow reports whether a line of kind may be logged now, and how many were held back since the
-// last one that was.
-func (l *logLimiter) allow(kind string) (int, bool) { return l.allowAt(kind, time.Now()) }
-
-func (l *logLimiter) allowAt(kind string, now time.Time) (int, bool) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.last == nil {
-		l.last, l.skip = map[string]time.Time{}, map[string]int{}
-	}
-	if last, ok := l.last[kind]; ok && now.Sub(last) < l.every {
-		l.skip[kind]++
-		return 0, false
-	}
-	n := l.skip[kind]
-	l.last[kind], l.skip[kind] = now, 0
-	return n, true
 }

@@ -12,12 +12,13 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 )
 
 func TestPermissionViolationLog(t *testing.T) {
 	var buf bytes.Buffer
 	log := zerolog.New(&buf)
-	limit := natsconn.NewLogLimiter(time.Hour)
+	limit := &ratelog.Limiter{Every: time.Hour}
 	for i := range 100 {
 		err := fmt.Errorf("%w: Permissions Violation for Publish to %q", nats.ErrPermissionViolation, fmt.Sprintf("outgoing.g.dev-%d.evt", i))
 		natsconn.AsyncError(log, limit, nil, err)
@@ -35,29 +36,6 @@ func TestPermissionViolationLog(t *testing.T) {
 	}
 	if !strings.Contains(l["message"].(string), `grant it publish on "outgoing.>"`) {
 		t.Errorf("message %q does not say what to grant", l["message"])
-	}
-}
-
-func TestLogLimiter(t *testing.T) {
-	l := natsconn.NewLogLimiter(time.Second)
-	t0 := time.Now()
-	for i, step := range []struct {
-		at         time.Duration
-		kind       string
-		ok         bool
-		suppressed int
-	}{
-		{0, "a", true, 0},
-		{100 * time.Millisecond, "a", false, 0},
-		{200 * time.Millisecond, "a", false, 0},
-		{300 * time.Millisecond, "b", true, 0},
-		{1100 * time.Millisecond, "a", true, 2},
-		{1200 * time.Millisecond, "a", false, 0},
-	} {
-		n, ok := l.AllowAt(step.kind, t0.Add(step.at))
-		if ok != step.ok || n != step.suppressed {
-			t.Errorf("step %d: AllowAt(%s, +%v) = %d, %v; want %d, %v", i, step.kind, step.at, n, ok, step.suppressed, step.ok)
-		}
 	}
 }
 

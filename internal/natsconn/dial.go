@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 )
 
 // Dial connects to the servers of s as a kvmapper process called name, and returns the
@@ -35,7 +37,7 @@ func Dial(s Settings, name string, log zerolog.Logger) (*nats.Conn, jetstream.Je
 	if err != nil {
 		return nil, nil, err
 	}
-	limit := &logLimiter{every: time.Second}
+	limit := &ratelog.Limiter{Every: time.Second}
 	opts = append(opts,
 		nats.Name(name),
 		nats.MaxReconnects(-1),
