@@ -23,11 +23,11 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to", EnvVars: env("IN")},
 		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to", EnvVars: env("OUT")},
 		&cli.StringFlag{Name: "unmapped", Value: "unmapped.{device}.{event}", Usage: "subject template dead letters go to", EnvVars: env("UNMAPPED")},
-		&cli.StringFlag{Name: "incoming-stream", Value: "INCOMING", Usage: "stream devices publish into", EnvVars: env("INCOMING_STREAM")},
-		&cli.StringFlag{Name: "outgoing-stream", Value: "OUTGOING", Usage: "stream mapped messages go to", EnvVars: env("OUTGOING_STREAM")},
-		&cli.StringFlag{Name: "unmapped-stream", Value: "UNMAPPED", Usage: "stream dead letters go to", EnvVars: env("UNMAPPED_STREAM")},
-		&cli.StringFlag{Name: "groups-bucket", Value: "device-groups", Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
-		&cli.StringFlag{Name: "control-bucket", Value: "kvmapper", Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
+		&cli.StringFlag{Name: "incoming-stream", Value: subjects.DefaultNames.Incoming, Usage: "stream devices publish into", EnvVars: env("INCOMING_STREAM")},
+		&cli.StringFlag{Name: "outgoing-stream", Value: subjects.DefaultNames.Outgoing, Usage: "stream mapped messages go to", EnvVars: env("OUTGOING_STREAM")},
+		&cli.StringFlag{Name: "unmapped-stream", Value: subjects.DefaultNames.Unmapped, Usage: "stream dead letters go to", EnvVars: env("UNMAPPED_STREAM")},
+		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
+		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
 	}
 }
@@ -85,12 +85,14 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		return setup.Config{}, usagef("invalid value %d for flag --stream-replicas: must be 1 to 5", r)
 	}
 	cfg := setup.Config{
-		Layout:   lay,
-		Incoming: c.String("incoming-stream"),
-		Outgoing: c.String("outgoing-stream"),
-		Unmapped: c.String("unmapped-stream"),
-		Groups:   c.String("groups-bucket"),
-		Control:  c.String("control-bucket"),
+		Layout: lay,
+		Names: subjects.Names{
+			Incoming: c.String("incoming-stream"),
+			Outgoing: c.String("outgoing-stream"),
+			Unmapped: c.String("unmapped-stream"),
+			Groups:   c.String("groups-bucket"),
+			Control:  c.String("control-bucket"),
+		},
 		Replicas: c.Int("stream-replicas"),
 	}
 	cfg.Defaults()

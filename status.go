@@ -67,11 +67,9 @@ func statusAction(c *cli.Context) error {
 	}
 	defer nc.Close()
 	rcfg := status.ReadConfig{
-		Layout:   lay,
-		Incoming: scfg.Incoming,
-		Groups:   scfg.Groups,
-		Control:  scfg.Control,
-		Timeout:  c.Duration("timeout"),
+		Layout:  lay,
+		Names:   scfg.Names,
+		Timeout: c.Duration("timeout"),
 	}
 	read := func(prev *status.Snapshot) (*status.Snapshot, error) {
 		rctx, cancel := context.WithTimeout(ctx, c.Duration("timeout")+10*time.Second)

@@ -68,10 +68,7 @@ func verifyAction(c *cli.Context) error {
 	var lastLog time.Time
 	rep, err := audit.Run(ctx, js, audit.Config{
 		Layout:      lay,
-		Incoming:    scfg.Incoming,
-		Outgoing:    scfg.Outgoing,
-		Unmapped:    scfg.Unmapped,
-		Control:     scfg.Control,
+		Names:       scfg.Names,
 		Wait:        wait,
 		MaxFindings: maxFindings,
 		Progress: func(read uint64) {

@@ -1,7 +1,6 @@
 package audit
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -39,13 +38,11 @@ var kinds = [...]string{KindMissing, KindDuplicate, KindReorder, KindStaleEpoch,
 
 // Config says what [Run] audits. Zero fields mean the defaults given.
 type Config struct {
-	Layout   *subjects.Layout // required: where the device token sits in output subjects
-	Incoming string           // INCOMING stream name, default "INCOMING"; also the Nats-Msg-Id prefix
-	Outgoing string           // default "OUTGOING"
-	Unmapped string           // default "UNMAPPED"
-	// Control is the control bucket, default "kvmapper". Its creation time tells epochs that
-	// started again with a re-created bucket from a deposed owner's write.
-	Control string
+	Layout *subjects.Layout // required: where the device token sits in output subjects
+	// Names are the streams read and the control bucket, whose creation time tells epochs that
+	// started again with a re-created bucket from a deposed owner's write; empty ones get
+	// subjects.DefaultNames. Groups is not used.
+	subjects.Names
 	// Wait, when positive and messages are missing after the outputs have been read up to their
 	// last sequence at the start, keeps consuming both outputs (continuing where it stopped) until
 	// nothing is missing or Wait has passed: for a mapper that is still catching up.
@@ -116,10 +113,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	if cfg.Layout == nil {
 		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
-	cfg.Incoming = cmp.Or(cfg.Incoming, "INCOMING")
-	cfg.Outgoing = cmp.Or(cfg.Outgoing, "OUTGOING")
-	cfg.Unmapped = cmp.Or(cfg.Unmapped, "UNMAPPED")
-	cfg.Control = cmp.Or(cfg.Control, "kvmapper")
+	cfg.Names = cfg.Names.WithDefaults()
 	if cfg.MaxFindings == 0 {
 		cfg.MaxFindings = 20
 	}
@@ -240,7 +234,7 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 	a := &auditor{cfg: cfg, idPrefix: lanes.MsgIDPrefix(cfg.Incoming, lanes.Incarnation(info.Created)), legacyPrefix: cfg.Incoming + ":",
 		inCreated: info.Created.UnixNano()}
 	// A control bucket that cannot be read leaves ctlCreated 0: epochs are then compared as they are.
-	if cs, err := js.Stream(ctx, "KV_"+cfg.Control); err == nil {
+	if cs, err := js.Stream(ctx, subjects.BucketStream(cfg.Control)); err == nil {
 		a.ctlCreated = cs.CachedInfo().Created.UnixNano()
 	}
 	if st.Msgs == 0 {

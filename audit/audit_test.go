@@ -494,7 +494,7 @@ func TestErrors(t *testing.T) {
 	if _, err := audit.Run(ctx, e.js, audit.Config{}); !errors.Is(err, audit.ErrInvalidConfig) {
 		t.Errorf("Run(no Layout) = %v, want ErrInvalidConfig", err)
 	}
-	_, err := audit.Run(ctx, e.js, audit.Config{Layout: e.lay, Outgoing: "NOPE"})
+	_, err := audit.Run(ctx, e.js, audit.Config{Layout: e.lay, Names: subjects.Names{Outgoing: "NOPE"}})
 	if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		t.Errorf("Run(Outgoing NOPE) = %v, want ErrStreamNotFound", err)
 	}

@@ -41,9 +41,8 @@ var All = []string{Throughput, Latency, Mapping, TableScale, Failover}
 // Names are the streams and buckets one kvmapper run uses. The subjects are always the default
 // ones: incoming.{device}.{event} → outgoing.{group}.{device}.{event}, unmapped.{device}.{event}.
 type Names struct {
-	Incoming, Outgoing, Unmapped string // streams
-	Groups, Control              string // buckets
-	Partitions                   int
+	subjects.Names
+	Partitions int
 	// NoProvenance runs the replica without the KVMapper-Partition, -Epoch and -Revision
 	// headers, to measure what they cost.
 	NoProvenance bool
@@ -358,11 +357,13 @@ func (e *env) cleanup(ctx context.Context) error {
 func (e *env) names(outgoing string) Names {
 	e.runs++
 	return Names{
-		Incoming:   incomingStream,
-		Outgoing:   outgoing,
-		Unmapped:   unmappedStream,
-		Groups:     groupsBucket,
-		Control:    fmt.Sprintf("%scontrol-%d", bucketPrefix, e.runs),
+		Names: subjects.Names{
+			Incoming: incomingStream,
+			Outgoing: outgoing,
+			Unmapped: unmappedStream,
+			Groups:   groupsBucket,
+			Control:  fmt.Sprintf("%scontrol-%d", bucketPrefix, e.runs),
+		},
 		Partitions: e.cfg.Partitions,
 	}
 }

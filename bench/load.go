@@ -290,10 +290,7 @@ func (e *env) waitOwned(ctx context.Context, names Names) error {
 
 // ensure creates the streams and buckets of names as kvmapper's setup does.
 func (e *env) ensure(ctx context.Context, names Names) error {
-	_, err := setup.Ensure(ctx, e.js, setup.Config{
-		Layout: e.lay, Incoming: names.Incoming, Outgoing: names.Outgoing, Unmapped: names.Unmapped,
-		Groups: names.Groups, Control: names.Control,
-	})
+	_, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: names.Names})
 	return err
 }
 

@@ -36,7 +36,7 @@ func RunReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names
 	if err != nil {
 		return err
 	}
-	scfg := setup.Config{Layout: lay, Incoming: n.Incoming, Outgoing: n.Outgoing, Unmapped: n.Unmapped, Groups: n.Groups, Control: n.Control}
+	scfg := setup.Config{Layout: lay, Names: n.Names}
 	scfg.Defaults()
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:     id,

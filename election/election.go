@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // graceHold is how many lease TTLs a partition claimed past Grace, beyond this replica's quota,
@@ -93,8 +94,8 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		work:          work,
 		cfg:           cfg,
 		log:           cfg.Logger.With().Str("replica", cfg.ReplicaID).Logger(),
-		memberKey:     "member." + cfg.ReplicaID,
-		memberSubject: "$KV." + bucket.Bucket() + ".member." + cfg.ReplicaID,
+		memberKey:     subjects.MemberKey(cfg.ReplicaID),
+		memberSubject: "$KV." + bucket.Bucket() + "." + subjects.MemberKey(cfg.ReplicaID),
 		leasePrefix:   "$KV." + bucket.Bucket() + ".",
 		kick:          make(chan struct{}, 1),
 		resync:        make(chan struct{}, 1),
@@ -357,7 +358,7 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 // claim tries to create partition p's lease and, on success, starts its holder. planned says
 // whether [Plan] asked for it (within the quota) rather than Grace.
 func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
-	key := leaseKey(p)
+	key := subjects.LeaseKey(p)
 	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
 	defer cancel()
 	sent := e.cfg.Clock()

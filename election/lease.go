@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // Lease is one partition owned by this replica, handed to [Work].
@@ -259,7 +260,7 @@ func (h *holder) adopt(ctx context.Context) bool {
 // stored reads the lease key's last message with its headers, which jetstream.KeyValue does not
 // show, from the bucket's stream.
 func (h *holder) stored(ctx context.Context) (*jetstream.RawStreamMsg, error) {
-	s, err := h.e.js.Stream(ctx, "KV_"+h.e.kv.Bucket())
+	s, err := h.e.js.Stream(ctx, subjects.BucketStream(h.e.kv.Bucket()))
 	if err != nil {
 		return nil, fmt.Errorf("election: opening the stream of bucket %s: %w", h.e.kv.Bucket(), err)
 	}
@@ -288,6 +289,3 @@ func (h *holder) delete() {
 	e.log.Info().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
 		Str("old_owner", e.cfg.ReplicaID).Str("new_owner", "").Msg("partition released")
 }
-
-// leaseKey returns the KV key of partition p's lease.
-func leaseKey(p int) string { return "lease." + strconv.Itoa(p) }

@@ -2,12 +2,12 @@ package election
 
 import (
 	"context"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // slot is one partition's lease as the watch last showed it.
@@ -125,7 +125,11 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 	key := ent.Key()
 	gone := ent.Operation() != jetstream.KeyValuePut
 	now := time.Now()
-	if id, ok := strings.CutPrefix(key, "member."); ok {
+	kind, p, id, ok := subjects.ParseControlKey(key)
+	if !ok {
+		return
+	}
+	if kind == subjects.KindMember {
 		e.view.mu.Lock()
 		_, had := e.view.members[id]
 		if gone {
@@ -140,12 +144,7 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 		}
 		return
 	}
-	ps, ok := strings.CutPrefix(key, "lease.")
-	if !ok {
-		return
-	}
-	p, err := strconv.Atoi(ps)
-	if err != nil || p < 0 || p >= e.cfg.Partitions {
+	if kind != subjects.KindLease || p >= e.cfg.Partitions {
 		return
 	}
 	owner := ""

@@ -27,12 +27,9 @@ const MinDuplicateWindow = 2 * time.Minute
 
 // Config names what [Ensure] creates or verifies. Zero fields mean the defaults given.
 type Config struct {
-	Layout   *subjects.Layout // required
-	Incoming string           // default "INCOMING"
-	Outgoing string           // default "OUTGOING"
-	Unmapped string           // default "UNMAPPED"
-	Groups   string           // groups bucket, default "device-groups"
-	Control  string           // control bucket, default "kvmapper"
+	Layout *subjects.Layout // required
+	// Names are the streams and buckets; empty ones get subjects.DefaultNames.
+	subjects.Names
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
 	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
@@ -43,16 +40,7 @@ type Config struct {
 
 // Defaults fills in the zero fields of c.
 func (c *Config) Defaults() {
-	def := func(s *string, v string) {
-		if *s == "" {
-			*s = v
-		}
-	}
-	def(&c.Incoming, "INCOMING")
-	def(&c.Outgoing, "OUTGOING")
-	def(&c.Unmapped, "UNMAPPED")
-	def(&c.Groups, "device-groups")
-	def(&c.Control, "kvmapper")
+	c.Names = c.Names.WithDefaults()
 	if c.Replicas == 0 {
 		c.Replicas = 1
 	}

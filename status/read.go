@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -22,9 +20,9 @@ import (
 type ReadConfig struct {
 	// Layout gives the partition count and INCOMING's per-partition filter. Required.
 	Layout *subjects.Layout
-	// Incoming, Groups and Control name the stream and buckets. Defaults "INCOMING",
-	// "device-groups" and "kvmapper".
-	Incoming, Groups, Control string
+	// Names are the stream and buckets read (Incoming, Groups, Control); empty ones get
+	// subjects.DefaultNames.
+	subjects.Names
 	// Timeout bounds the wait for the replicas' status replies. Default 1s.
 	Timeout time.Duration
 	// NoStreamLag skips counting lag in INCOMING for partitions whose owner did not report:
@@ -36,15 +34,7 @@ func (c *ReadConfig) setDefaults() error {
 	if c.Layout == nil {
 		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
-	if c.Incoming == "" {
-		c.Incoming = "INCOMING"
-	}
-	if c.Groups == "" {
-		c.Groups = "device-groups"
-	}
-	if c.Control == "" {
-		c.Control = "kvmapper"
-	}
+	c.Names = c.Names.WithDefaults()
 	if c.Timeout == 0 {
 		c.Timeout = time.Second
 	}
@@ -165,20 +155,19 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 		if e == nil {
 			break
 		}
-		kind, rest, _ := strings.Cut(e.Key(), ".")
-		if kind == "member" {
-			members = append(members, rest)
+		kind, p, id, ok := subjects.ParseControlKey(e.Key())
+		if kind == subjects.KindMember {
+			members = append(members, id)
 			continue
 		}
-		p, err := strconv.Atoi(rest)
-		if err != nil || p < 0 || p >= n {
+		if !ok || p >= n {
 			continue
 		}
 		switch kind {
-		case "lease":
+		case subjects.KindLease:
 			snap.Partitions[p].Owner = string(e.Value())
 			snap.Partitions[p].LeaseRevision = e.Revision()
-		case "checkpoint":
+		case subjects.KindCheckpoint:
 			if cp, err := lanes.ParseCheckpoint(e.Value()); err == nil {
 				snap.Partitions[p].Checkpoint, snap.Partitions[p].CheckpointIncarnation = cp.Seq, cp.Incarnation
 			}
