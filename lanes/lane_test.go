@@ -304,6 +304,36 @@ func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
 	}
 }
 
+// A message resent for a partition (a takeover from an old checkpoint, here a lost one) is
+// acknowledged by OUTGOING as a duplicate, and counted as one.
+func TestResentMessagesCountAsDuplicates(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-1"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	pool1, stop1 := f.run(lanes.Config{}, nil)
+	f.publish([]string{dev}, 5, nil)
+	f.read("OUTGOING", 5)
+	stop1()
+	if st := pool1.Stats(); st.Mapped != 5 || st.Duplicates != 0 {
+		t.Fatalf("first run: Stats() = %+v, want 5 mapped", st)
+	}
+	if err := f.ctl.Delete(context.Background(), lanes.CheckpointKey(p)); err != nil {
+		t.Fatal(err)
+	}
+	pool2, _ := f.run(lanes.Config{}, nil)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if st := pool2.Stats(); st.Duplicates+st.Mapped != 5 {
+			return fmt.Errorf("second run: Stats() = %+v, want 5 acknowledged", st)
+		}
+		return nil
+	})
+	if st := pool2.Stats(); st.Duplicates != 5 {
+		t.Errorf("second run: Stats() = %+v, want 5 duplicates", st)
+	}
+	checkOrder(t, f.read("OUTGOING", 5), []string{dev}, 5, func(string) string { return "outgoing.g.dev-1.evt" })
+}
+
 func TestServerRestartKeepsOrder(t *testing.T) {
 	f := newFixture(t)
 	devs := devices(100)

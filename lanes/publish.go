@@ -186,8 +186,9 @@ func (l *lane) wait(ctx context.Context) error {
 
 var (
 	ackError     = []byte(`"error"`)
-	ackDuplicate = []byte(`"duplicate":true`)
+	ackDuplicate = []byte(`"duplicate"`)
 	ackSeq       = []byte(`"seq"`)
+	ackTrue      = []byte("true")
 )
 
 // parseAck reads a JetStream publish acknowledgement without decoding JSON on the happy path:
@@ -212,5 +213,18 @@ func parseAck(m *nats.Msg) (duplicate bool, err error) {
 	if !bytes.Contains(m.Data, ackSeq) {
 		return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
 	}
-	return bytes.Contains(m.Data, ackDuplicate), nil
+	// The server writes "duplicate": true with a space, a JSON encoder without one.
+	dupAt := afterKey(m.Data, ackDuplicate)
+	return dupAt >= 0 && bytes.HasPrefix(m.Data[dupAt:], ackTrue), nil
+}
+
+// afterKey returns where the value of key (quoted) starts in the JSON object b, or -1.
+func afterKey(b, key []byte) int {
+	i := bytes.Index(b, key)
+	if i < 0 {
+		return -1
+	}
+	for i += len(key); i < len(b) && (b[i] == ':' || b[i] == ' '); i++ {
+	}
+	return i
 }
