@@ -29,6 +29,7 @@ type entry struct {
 	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
 	gen      uint64        // connection generation (reconnect count) when last sent
 	sent     time.Time     // when last sent, for the acknowledgement timeout
+	out      uint64        // the output stream's sequence of the message, from the acknowledgement
 
 	acked     bool  // the stream stored it (or had it already)
 	duplicate bool  // the stream said it had it already
@@ -66,6 +67,7 @@ type lane struct {
 	unsure       []uint64  // checkpoints written since cpOK whose outcome is unknown
 
 	q       []*entry      // in flight, in stream order
+	ro      reorders      // finds the messages this lane stored out of their device's order
 	failed  bool          // some entry failed: resend before sending anything new
 	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
 	backoff time.Duration
@@ -112,6 +114,7 @@ func (l *lane) run(ctx context.Context) error {
 		return err
 	}
 	l.acked, l.checkpointed, l.cpOK = start, start, time.Now()
+	l.ro.takeover = maxWindow
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
@@ -234,6 +237,7 @@ func (l *lane) popSettled() {
 		l.acked = e.seq
 		l.stats.acked.Store(e.seq)
 		l.stats.inFlight.Store(int64(len(l.q)))
+		l.observe(e)
 		switch {
 		case e.duplicate:
 			l.p.duplicates.Add(1)
@@ -285,8 +289,14 @@ func (l *lane) stop(why error) error {
 			break
 		}
 	}
+	l.drainAcks()
 	l.popSettled()
-	for range l.q {
+	for _, e := range l.q {
+		if e.acked {
+			// Stored, but behind a message that is not: the next owner resends it as a
+			// duplicate, but only this lane can tell whether it stored it out of order.
+			l.observe(e)
+		}
 		<-l.p.sem
 	}
 	left := len(l.q)

@@ -117,7 +117,7 @@ type Stats struct {
 	Retries    uint64            // messages republished after a publish failure
 	Failures   uint64            // publish failures (each one is retried or dead-lettered)
 	Dropped    uint64            // dead letters UNMAPPED refused even stripped: left in INCOMING, logged
-	Reorders   uint64            // messages stored after a refused earlier one of their device
+	Reorders   uint64            // messages this pool stored after a later one of their device (I1)
 	InFlight   int               // publishes awaiting acknowledgement now
 }
 

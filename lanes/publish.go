@@ -88,12 +88,15 @@ func (l *lane) acknowledge(m *nats.Msg) {
 	if e == nil || e.settled() {
 		return
 	}
-	e.duplicate, e.err = parseAck(m)
+	e.duplicate, e.out, e.err = parseAck(m)
 	if e.err != nil {
 		l.failed = true
 		return
 	}
 	e.acked = true
+	if !e.duplicate {
+		l.ro.noteNew(e)
+	}
 	l.timeout = l.p.cfg.PublishTimeout
 }
 
@@ -192,30 +195,35 @@ var (
 )
 
 // parseAck reads a JetStream publish acknowledgement without decoding JSON on the happy path:
-// {"stream":"OUTGOING","seq":12} or with "duplicate":true. An error answer is decoded into the
-// server's *jetstream.APIError; a "no responders" status means no stream captures the subject.
-func parseAck(m *nats.Msg) (duplicate bool, err error) {
+// {"stream":"OUTGOING","seq":12} or with "duplicate":true, where seq is the sequence of the copy
+// stored first. An error answer is decoded into the server's *jetstream.APIError; a "no
+// responders" status means no stream captures the subject.
+func parseAck(m *nats.Msg) (duplicate bool, seq uint64, err error) {
 	if len(m.Data) == 0 {
 		if m.Header.Get("Status") == "503" {
-			return false, errNoStream
+			return false, 0, errNoStream
 		}
-		return false, errBadAck
+		return false, 0, errBadAck
 	}
 	if bytes.Contains(m.Data, ackError) {
 		var r struct {
 			Error *jetstream.APIError `json:"error"`
 		}
 		if json.Unmarshal(m.Data, &r) != nil || r.Error == nil {
-			return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+			return false, 0, fmt.Errorf("%w: %q", errBadAck, m.Data)
 		}
-		return false, r.Error
+		return false, 0, r.Error
 	}
-	if !bytes.Contains(m.Data, ackSeq) {
-		return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+	seqAt := afterKey(m.Data, ackSeq)
+	if seqAt < 0 {
+		return false, 0, fmt.Errorf("%w: %q", errBadAck, m.Data)
+	}
+	for ; seqAt < len(m.Data) && '0' <= m.Data[seqAt] && m.Data[seqAt] <= '9'; seqAt++ {
+		seq = seq*10 + uint64(m.Data[seqAt]-'0')
 	}
 	// The server writes "duplicate": true with a space, a JSON encoder without one.
 	dupAt := afterKey(m.Data, ackDuplicate)
-	return dupAt >= 0 && bytes.HasPrefix(m.Data[dupAt:], ackTrue), nil
+	return dupAt >= 0 && bytes.HasPrefix(m.Data[dupAt:], ackTrue), seq, nil
 }
 
 // afterKey returns where the value of key (quoted) starts in the JSON object b, or -1.
