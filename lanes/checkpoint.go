@@ -81,7 +81,7 @@ func (l *lane) checkpoint(ctx context.Context) error {
 	rev, err := l.p.ctl.Update(ctx, l.key, val, l.cpRev)
 	switch {
 	case err == nil:
-		l.cpRev, l.checkpointed, l.cpOK = rev, l.acked, time.Now()
+		l.cpRev, l.checkpointed = rev, l.acked
 		l.stats.checkpoint.Store(l.acked)
 		l.unsure = l.unsure[:0]
 		return nil

@@ -143,3 +143,29 @@ func TestStaleCheckpointPausesIntake(t *testing.T) {
 	}
 	t.Logf("paused after %d of %d messages", last, 1+more)
 }
+
+// An idle lane writes no checkpoint, since nothing moved. After an idle spell longer than
+// MaxCheckpointAge, the first message moves the prefix past the checkpoint; the next one must
+// still be taken at once, not wait for the next tick's write.
+func TestIdleLaneMapsAtOnce(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	const age, tick = 2 * time.Second, time.Minute
+	pool, _ := f.run(lanes.Config{MaxCheckpointAge: age, CheckpointInterval: tick}, nil)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if n := len(pool.Partitions()); n != 16 {
+			return fmt.Errorf("%d lanes running, want 16", n)
+		}
+		return nil
+	})
+	// The scenario, not a synchronisation: the lanes stay idle past MaxCheckpointAge.
+	idle := time.NewTimer(age + time.Second)
+	<-idle.C
+	f.publish([]string{"dev-1"}, 1, nil)
+	f.read("OUTGOING", 1)
+	start := time.Now()
+	f.publishFrom([]string{"dev-1"}, 1, 1, nil)
+	f.waitOrDump(pool, "OUTGOING", 2, 15*time.Second) // the next tick is a minute away
+	checkOrder(t, f.read("OUTGOING", 2), []string{"dev-1"}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
+	t.Logf("the second message after an idle spell was mapped in %v", time.Since(start))
+}

@@ -63,8 +63,8 @@ type lane struct {
 	cpRev        uint64    // revision of our last checkpoint write: the fence
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
-	cpOK         time.Time // when the checkpoint was last written (or fenced)
-	unsure       []uint64  // checkpoints written since cpOK whose outcome is unknown
+	dirtySince   time.Time // when acked last moved past checkpointed
+	unsure       []uint64  // checkpoints written since the last success whose outcome is unknown
 
 	q       []*entry      // in flight, in stream order
 	ro      reorders      // finds the messages this lane stored out of their device's order
@@ -113,7 +113,7 @@ func (l *lane) run(ctx context.Context) error {
 		}
 		return err
 	}
-	l.acked, l.checkpointed, l.cpOK = start, start, time.Now()
+	l.acked, l.checkpointed = start, start
 	l.ro.takeover = maxWindow
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
@@ -166,8 +166,8 @@ func (l *lane) run(ctx context.Context) error {
 		switch {
 		case holding:
 			semc = l.p.sem
-		case l.acked > l.checkpointed && time.Since(l.cpOK) > l.p.cfg.MaxCheckpointAge:
-			// The checkpoint has not been written for too long: a takeover now would resend
+		case l.acked > l.checkpointed && time.Since(l.dirtySince) > l.p.cfg.MaxCheckpointAge:
+			// The prefix moved past the checkpoint too long ago: a takeover now would resend
 			// more than OUTGOING's duplicate window still recognises. Take nothing new until a
 			// write succeeds (the tick keeps trying).
 		default:
@@ -234,6 +234,9 @@ func (l *lane) popSettled() {
 		l.q[0] = nil
 		l.q = l.q[1:]
 		<-l.p.sem
+		if l.acked == l.checkpointed {
+			l.dirtySince = time.Now()
+		}
 		l.acked = e.seq
 		l.stats.acked.Store(e.seq)
 		l.stats.inFlight.Store(int64(len(l.q)))
