@@ -460,9 +460,11 @@ func TestLeaseClockStopsPublishing(t *testing.T) {
 func TestInvalidConfig(t *testing.T) {
 	f := newFixture(t)
 	for name, cfg := range map[string]lanes.Config{
-		"no layout":        {},
-		"negative window":  {Layout: f.lay, MaxInFlight: -1},
-		"window too large": {Layout: f.lay, MaxInFlight: 100_000},
+		"no layout":                        {},
+		"negative window":                  {Layout: f.lay, MaxInFlight: -1},
+		"window too large":                 {Layout: f.lay, MaxInFlight: 100_000},
+		"window below the partition count": {Layout: f.lay, MaxInFlight: 15},
+		"negative bytes":                   {Layout: f.lay, MaxInFlightBytes: -1},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg); !errors.Is(err, lanes.ErrInvalidConfig) {
