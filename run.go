@@ -39,7 +39,8 @@ func runCommand() *cli.Command {
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server", EnvVars: env("LISTEN")},
 			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server", EnvVars: env("DATA_DIR")},
 			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
-			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT")},
+			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together; each partition is guaranteed a quarter of its even share", EnvVars: env("MAX_IN_FLIGHT")},
+			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT_BYTES")},
 			&cli.DurationFlag{Name: "lease-ttl", Value: 2 * time.Second, Usage: "partition lease TTL: a dead replica's partitions move after about this (whole seconds)", EnvVars: env("LEASE_TTL")},
 			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
 			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
@@ -117,8 +118,11 @@ func runAction(c *cli.Context) error {
 	if err := wholeSeconds(c, "lease-ttl"); err != nil {
 		return err
 	}
-	if n := c.Int("max-in-flight"); n < 1 || n > 50_000 {
-		return usagef("invalid value %d for flag --max-in-flight: use 1 to 50000 (the server refuses single messages past 100k queued)", n)
+	if n := c.Int("max-in-flight"); n < lay.Partitions || n > 50_000 {
+		return usagef("invalid value %d for flag --max-in-flight: use %d (one per partition) to 50000 (the server refuses single messages past 100k queued)", n, lay.Partitions)
+	}
+	if n := c.Int64("max-in-flight-bytes"); n < 1<<20 {
+		return usagef("invalid value %d for flag --max-in-flight-bytes: use at least 1048576 (1 MiB)", n)
 	}
 	if err := publishSubject(c, "events-subject"); err != nil {
 		return err
@@ -172,6 +176,7 @@ func runAction(c *cli.Context) error {
 			Layout:             lay,
 			Incoming:           scfg.Incoming,
 			MaxInFlight:        c.Int("max-in-flight"),
+			MaxInFlightBytes:   c.Int64("max-in-flight-bytes"),
 			CheckpointInterval: c.Duration("checkpoint-interval"),
 			PublishTimeout:     c.Duration("publish-timeout"),
 			DrainTimeout:       c.Duration("drain-timeout"),

@@ -55,16 +55,18 @@ func TestHelp(t *testing.T) {
 
 func TestBadFlagValueIsOneLineAndExitCode2(t *testing.T) {
 	for name, args := range map[string][]string{
-		"not a number":        {"run", "--partitions", "abc"},
-		"unknown flag":        {"run", "--no-such-flag"},
-		"bad log format":      {"run", "--log-format", "xml"},
-		"bad log level":       {"setup", "--log-level", "loud"},
-		"bad template":        {"run", "--out", "outgoing.{device}"},
-		"zero partitions":     {"setup", "--partitions", "0"},
-		"lease ttl fraction":  {"run", "--lease-ttl", "1500ms"},
-		"bad listen":          {"run", "--embedded", "--listen", "nowhere"},
-		"unknown command":     {"frobnicate"},
-		"replica id with dot": {"run", "--replica-id", "a.b"},
+		"not a number":                    {"run", "--partitions", "abc"},
+		"unknown flag":                    {"run", "--no-such-flag"},
+		"bad log format":                  {"run", "--log-format", "xml"},
+		"bad log level":                   {"setup", "--log-level", "loud"},
+		"bad template":                    {"run", "--out", "outgoing.{device}"},
+		"zero partitions":                 {"setup", "--partitions", "0"},
+		"lease ttl fraction":              {"run", "--lease-ttl", "1500ms"},
+		"bad listen":                      {"run", "--embedded", "--listen", "nowhere"},
+		"unknown command":                 {"frobnicate"},
+		"replica id with dot":             {"run", "--replica-id", "a.b"},
+		"in flight below one a partition": {"run", "--max-in-flight", "8"},
+		"in flight bytes too few":         {"run", "--max-in-flight-bytes", "1000"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			out, errOut, code := runCLI(t, args...)

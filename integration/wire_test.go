@@ -16,6 +16,8 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // wire records every publish the mappers make, as it crosses the server: a core NATS
@@ -204,16 +206,16 @@ func (e *env) partitionSeqs(n int) map[int][]uint64 {
 // checkpoint returns partition p's checkpoint in the control bucket, 0 when there is none.
 func (e *env) checkpoint(p int) uint64 {
 	e.t.Helper()
-	ent, err := e.ctl.Get(context.Background(), lanes.CheckpointKey(p))
+	ent, err := e.ctl.Get(context.Background(), subjects.CheckpointKey(p))
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return 0
 	}
 	if err != nil {
-		e.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
+		e.t.Fatalf("Get(%s): %v", subjects.CheckpointKey(p), err)
 	}
 	cp, err := lanes.ParseCheckpoint(ent.Value())
 	if err != nil {
-		e.t.Fatalf("%s = %q: %v", lanes.CheckpointKey(p), ent.Value(), err)
+		e.t.Fatalf("%s = %q: %v", subjects.CheckpointKey(p), ent.Value(), err)
 	}
 	return cp.Seq
 }

@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/internal/kvcas"
 )
 
 // fence reads the partition's checkpoint and writes it back with compare-and-set before the
@@ -21,7 +23,7 @@ func (l *lane) fence(ctx context.Context) (uint64, error) {
 		if err == nil || errors.Is(err, ErrInvalidConfig) {
 			return seq, err
 		}
-		if !isConflict(err) {
+		if !kvcas.IsConflict(err) {
 			l.p.warn("fence", func(e *zerolog.Event) {
 				e.Int("partition", l.a.Partition).Err(err).Msg("reading the checkpoint failed; retrying")
 			})
@@ -114,18 +116,18 @@ func (l *lane) writeCheckpoint(ctx context.Context) error {
 	rev, err := l.p.ctl.Update(ctx, l.key, val, l.cpRev)
 	switch {
 	case err == nil:
-		l.cpRev, l.checkpointed, l.cpOK = rev, l.acked, time.Now()
+		l.cpRev, l.checkpointed = rev, l.acked
 		l.stats.checkpoint.Store(l.acked)
 		l.unsure = l.unsure[:0]
 		return nil
-	case isConflict(err) && l.adopt(ctx):
+	case kvcas.IsConflict(err) && l.adopt(ctx):
 		return nil // the next tick writes again, on the adopted revision
-	case isConflict(err) && l.restore(ctx, val):
-		l.checkpointed, l.cpOK = l.acked, time.Now()
+	case kvcas.IsConflict(err) && l.restore(ctx, val):
+		l.checkpointed = l.acked
 		l.stats.checkpoint.Store(l.acked)
 		l.unsure = l.unsure[:0]
 		return nil
-	case isConflict(err):
+	case kvcas.IsConflict(err):
 		return fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)
 	default:
 		// The write may still have been applied (a timeout, a reconnect): remember what it said.
@@ -181,10 +183,4 @@ func (l *lane) restore(ctx context.Context, val []byte) bool {
 		Msg("the checkpoint key was gone (control bucket re-created, or the key deleted): wrote it again from this lane's position")
 	l.cpRev = rev
 	return true
-}
-
-// isConflict tells a failed compare-and-set. On R1 buckets the server answers with "key exists",
-// on replicated ones with "wrong last sequence": both mean someone else wrote.
-func isConflict(err error) bool {
-	return errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch)
 }

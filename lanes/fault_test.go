@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
@@ -93,10 +95,20 @@ func TestDeadLetterRefusedByUnmapped(t *testing.T) {
 func TestStaleCheckpointPausesIntake(t *testing.T) {
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
-	pool, _ := f.run(lanes.Config{MaxCheckpointAge: 200 * time.Millisecond, CheckpointInterval: 20 * time.Millisecond}, nil)
+	const tick = 20 * time.Millisecond
+	pool, _ := f.run(lanes.Config{MaxCheckpointAge: 200 * time.Millisecond, CheckpointInterval: tick}, nil)
 	f.publish([]string{"dev-1"}, 1, nil)
 	f.read("OUTGOING", 1)
 	ctx := context.Background()
+	// Every publish of the lane, as it goes out.
+	sent := make(chan *nats.Msg, 100_000)
+	watcher := f.srv.Connect(t)
+	if _, err := watcher.ChanSubscribe("outgoing.>", sent); err != nil {
+		t.Fatal(err)
+	}
+	if err := watcher.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	// A sealed stream refuses every write at once: checkpoint writes fail, publishing does not.
 	s, err := f.js.Stream(ctx, "KV_kvmapper")
 	if err != nil {
@@ -109,31 +121,28 @@ func TestStaleCheckpointPausesIntake(t *testing.T) {
 	}
 	const more = 20_000
 	f.publishFrom([]string{"dev-1"}, 1, more, nil)
-	count := func() uint64 {
-		s, err := f.js.Stream(ctx, "OUTGOING")
-		if err != nil {
-			t.Fatal(err)
-		}
-		info, err := s.Info(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return info.State.Msgs
-	}
-	// Paused: OUTGOING stops growing short of what INCOMING holds. (Without the pause the lane
+	// Paused: nothing at all is sent for a whole second (50 checkpoint ticks, 5 × the maximum
+	// age), watched without a gap, short of what INCOMING holds. (Without the pause the lane
 	// maps all of it: publishing to OUTGOING still works.)
-	var last uint64
-	natstest.Eventually(t, 20*time.Second, func() error {
-		n := count()
-		if n >= 1+more {
-			t.Fatalf("OUTGOING holds all %d messages: the lane never paused without checkpoints", n)
+	const quiet = time.Second
+	n := 0
+	deadline := time.Now().Add(30 * time.Second)
+	for silence := time.NewTimer(quiet); ; {
+		select {
+		case <-sent:
+			n++
+			if time.Now().After(deadline) {
+				t.Fatalf("the lane still sends after 30s (%d sent): it never paused without checkpoints", n)
+			}
+			silence.Reset(quiet)
+			continue
+		case <-silence.C:
 		}
-		if n != last {
-			last = n
-			return fmt.Errorf("OUTGOING still growing: %d", n)
-		}
-		return nil
-	})
+		break
+	}
+	if n >= more {
+		t.Fatalf("the lane sent all %d messages: it never paused without checkpoints", n)
+	}
 	// The lane is alive, with messages waiting: paused, not dead.
 	p := subjects.Partition("dev-1", 16)
 	for _, st := range pool.Partitions() {
@@ -141,5 +150,31 @@ func TestStaleCheckpointPausesIntake(t *testing.T) {
 			t.Errorf("lane %d: %+v, want messages pending behind the pause", p, st)
 		}
 	}
-	t.Logf("paused after %d of %d messages", last, 1+more)
+	t.Logf("paused after %d of %d messages", n, more)
+}
+
+// An idle lane writes no checkpoint, since nothing moved. After an idle spell longer than
+// MaxCheckpointAge, the first message moves the prefix past the checkpoint; the next one must
+// still be taken at once, not wait for the next tick's write.
+func TestIdleLaneMapsAtOnce(t *testing.T) {
+	f := newFixture(t)
+	f.groups.set("dev-1", "g")
+	const age, tick = 2 * time.Second, time.Minute
+	pool, _ := f.run(lanes.Config{MaxCheckpointAge: age, CheckpointInterval: tick}, nil)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if n := len(pool.Partitions()); n != 16 {
+			return fmt.Errorf("%d lanes running, want 16", n)
+		}
+		return nil
+	})
+	// The scenario, not a synchronisation: the lanes stay idle past MaxCheckpointAge.
+	idle := time.NewTimer(age + time.Second)
+	<-idle.C
+	f.publish([]string{"dev-1"}, 1, nil)
+	f.read("OUTGOING", 1)
+	start := time.Now()
+	f.publishFrom([]string{"dev-1"}, 1, 1, nil)
+	f.waitOrDump(pool, "OUTGOING", 2, 15*time.Second) // the next tick is a minute away
+	checkOrder(t, f.read("OUTGOING", 2), []string{"dev-1"}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
+	t.Logf("the second message after an idle spell was mapped in %v", time.Since(start))
 }

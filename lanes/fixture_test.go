@@ -54,6 +54,8 @@ type fixture struct {
 	ctl    jetstream.KeyValue
 	lay    *subjects.Layout
 	groups *groups
+	// padding, when set, is appended to the payloads publish makes, after a colon.
+	padding []byte
 }
 
 func newFixture(t testing.TB) *fixture {
@@ -142,7 +144,11 @@ func (f *fixture) publishFrom(devices []string, from, n int, hdr nats.Header) {
 	var futs []jetstream.PubAckFuture
 	for i := from; i < from+n; i++ {
 		for _, d := range devices {
-			m := &nats.Msg{Subject: "incoming." + d + ".evt", Data: []byte(d + ":" + strconv.Itoa(i)), Header: hdr}
+			data := []byte(d + ":" + strconv.Itoa(i))
+			if f.padding != nil {
+				data = append(append(data, ':'), f.padding...)
+			}
+			m := &nats.Msg{Subject: "incoming." + d + ".evt", Data: data, Header: hdr}
 			fut, err := f.js.PublishMsgAsync(m)
 			if err != nil {
 				f.t.Fatalf("PublishMsgAsync: %v", err)
@@ -210,7 +216,8 @@ func (f *fixture) read(stream string, want int) []jetstream.Msg {
 }
 
 // checkOrder checks that msgs hold, for each device, exactly payloads "<device>:0" to
-// "<device>:n-1" in order, on subjects made by subject(device), and nothing else.
+// "<device>:n-1" in order (each maybe followed by ":" and padding), on subjects made by
+// subject(device), and nothing else.
 func checkOrder(t *testing.T, msgs []jetstream.Msg, devices []string, n int, subject func(device string) string) {
 	t.Helper()
 	next := map[string]int{}
@@ -223,6 +230,7 @@ func checkOrder(t *testing.T, msgs []jetstream.Msg, devices []string, n int, sub
 		if !ok || !known {
 			t.Fatalf("message %d: payload %q from no device of the test", i, m.Data())
 		}
+		num, _, _ = strings.Cut(num, ":")
 		got, _ := strconv.Atoi(num)
 		if got != want {
 			t.Fatalf("message %d: device %s payload %d, want %d (reordered, duplicated or lost)", i, dev, got, want)
@@ -249,9 +257,9 @@ func devices(n int) []string {
 
 func (f *fixture) checkpoint(p int) uint64 {
 	f.t.Helper()
-	e, err := f.ctl.Get(context.Background(), lanes.CheckpointKey(p))
+	e, err := f.ctl.Get(context.Background(), subjects.CheckpointKey(p))
 	if err != nil {
-		f.t.Fatalf("Get(%s): %v", lanes.CheckpointKey(p), err)
+		f.t.Fatalf("Get(%s): %v", subjects.CheckpointKey(p), err)
 	}
 	cp, err := lanes.ParseCheckpoint(e.Value())
 	if err != nil {

@@ -29,6 +29,8 @@ type entry struct {
 	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
 	gen      uint64        // connection generation (reconnect count) when last sent
 	sent     time.Time     // when last sent, for the acknowledgement timeout
+	cost     int64         // bytes it holds of the pool's window: its size on the wire when admitted
+	out      uint64        // the output stream's sequence of the message, from the acknowledgement
 
 	acked     bool  // the stream stored it (or had it already)
 	duplicate bool  // the stream said it had it already
@@ -45,8 +47,9 @@ type laneStats struct {
 
 // delivery is a consumed message with its stream sequence, handed from reader to lane.
 type delivery struct {
-	msg jetstream.Msg
-	seq uint64
+	msg  jetstream.Msg
+	seq  uint64
+	size int64 // subject, reply, headers and payload: what it holds of the hand-off's bytes
 }
 
 // lane is the pipeline of one partition. Everything but the reader runs on one goroutine, which
@@ -63,10 +66,13 @@ type lane struct {
 	cpRev        uint64    // revision of our last checkpoint write: the fence
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
-	cpOK         time.Time // when the checkpoint was last written (or fenced)
-	unsure       []uint64  // checkpoints written since cpOK whose outcome is unknown
+	dirtySince   time.Time // when acked last moved past checkpointed
+	unsure       []uint64  // checkpoints written since the last success whose outcome is unknown
 
 	q       []*entry      // in flight, in stream order
+	held    *entry        // consumed and prepared, waiting for room in the pool's window
+	grant   grant         // what the lane holds of the pool's window
+	ro      reorders      // finds the messages this lane stored out of their device's order
 	failed  bool          // some entry failed: resend before sending anything new
 	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
 	backoff time.Duration
@@ -77,6 +83,8 @@ type lane struct {
 	// and watchIncarnation send at most one between them, and nobody closes it.
 	readErr chan error
 	inbox   string // "<inbox>.": a reply subject is inbox + sequence
+
+	handoff handoff // bounds the bytes the reader has handed on and the lane not yet taken
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
@@ -92,17 +100,13 @@ func newLane(p *Pool, a Assignment) *lane {
 		p:        p,
 		a:        a,
 		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
-		key:      CheckpointKey(a.Partition),
+		key:      subjects.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
 		timeout:  p.cfg.PublishTimeout,
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
 	}
 }
-
-// CheckpointKey is the control-bucket key holding partition p's checkpoint: the last INCOMING
-// sequence whose republish was acknowledged, as a decimal number.
-func CheckpointKey(p int) string { return "checkpoint." + strconv.Itoa(p) }
 
 func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 
@@ -114,7 +118,10 @@ func (l *lane) run(ctx context.Context) error {
 		}
 		return err
 	}
-	l.acked, l.checkpointed, l.cpOK = start, start, time.Now()
+	l.acked, l.checkpointed = start, start
+	l.ro.takeover = maxWindow
+	l.grant.wake = make(chan struct{}, 1)
+	l.handoff.room = make(chan struct{}, 1)
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
@@ -128,7 +135,7 @@ func (l *lane) run(ctx context.Context) error {
 
 	l.readErr = make(chan error, 1)
 	readCtx, stopReading := context.WithCancel(ctx)
-	in := make(chan delivery, 64)
+	in := make(chan delivery, handoffLen)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -143,8 +150,6 @@ func (l *lane) run(ctx context.Context) error {
 
 	tick := time.NewTicker(l.p.cfg.CheckpointInterval)
 	defer tick.Stop()
-	var held delivery // consumed, waiting for an in-flight token
-	holding := false
 	for {
 		l.popSettled()
 		if !l.valid() {
@@ -163,13 +168,20 @@ func (l *lane) run(ctx context.Context) error {
 			}
 			continue
 		}
+		if l.held != nil {
+			if l.admit(l.held) {
+				l.held = nil
+			} else if l.failed || !l.valid() {
+				continue
+			}
+		}
 		var inc <-chan delivery
-		var semc chan<- struct{}
+		var wake <-chan struct{}
 		switch {
-		case holding:
-			semc = l.p.sem
-		case l.acked > l.checkpointed && time.Since(l.cpOK) > l.p.cfg.MaxCheckpointAge:
-			// The checkpoint has not been written for too long: a takeover now would resend
+		case l.held != nil:
+			wake = l.grant.wake
+		case l.acked > l.checkpointed && time.Since(l.dirtySince) > l.p.cfg.MaxCheckpointAge:
+			// The prefix moved past the checkpoint too long ago: a takeover now would resend
 			// more than OUTGOING's duplicate window still recognises. Take nothing new until a
 			// write succeeds (the tick keeps trying).
 		default:
@@ -179,19 +191,16 @@ func (l *lane) run(ctx context.Context) error {
 		case <-ctx.Done():
 			stopReading()
 			return l.stop(nil)
-		case held = <-inc:
-			holding = true
-			// Most of the time a token is free: publish now rather than in another round.
-			select {
-			case l.p.sem <- struct{}{}:
-				holding = !l.admit(held)
-			default:
+		case d := <-inc:
+			l.handoff.taken(d.size)
+			// Most of the time there is room: publish now rather than in another round.
+			if e := l.prepare(d); !l.admit(e) {
+				l.held = e
 			}
-		case semc <- struct{}{}:
-			holding = !l.admit(held)
 		case err := <-l.readErr:
 			stopReading()
 			return l.stop(err)
+		case <-wake:
 		case m := <-l.acks:
 			l.acknowledge(m)
 		case now := <-tick.C:
@@ -205,43 +214,51 @@ func (l *lane) run(ctx context.Context) error {
 	}
 }
 
-// admit publishes d, for which the caller holds a token of the pool's semaphore, unless the
-// lease's clock has run out, or the connection was replaced while earlier publishes were in
-// flight: their acknowledgements are lost, and sending on the new connection first would
-// reorder. Then it gives the token back, fails the old publishes so that they are resent first,
-// and returns false.
-func (l *lane) admit(d delivery) bool {
+// admit publishes e if the pool's window has room for it, unless the lease's clock has run out,
+// or the connection was replaced while earlier publishes were in flight: their acknowledgements
+// are lost, and sending on the new connection first would reorder. Then it gives the room back,
+// fails the old publishes so that they are resent first, and returns false.
+func (l *lane) admit(e *entry) bool {
 	if !l.valid() {
-		<-l.p.sem
 		return false // the loop stops the lane
+	}
+	if !l.p.window.take(&l.grant, e.cost) {
+		return false
 	}
 	gen := l.p.generation()
 	if len(l.q) > 0 && l.q[0].gen != gen {
-		<-l.p.sem
+		l.p.window.give(&l.grant, 1, e.cost)
 		l.expire(time.Now())
 		return false
 	}
-	l.push(l.prepare(d), gen)
+	l.push(e, gen)
 	return true
 }
 
-// push sends e and appends it to the in-flight queue; it holds one token of the pool's semaphore.
+// push sends e and appends it to the in-flight queue; it holds room in the pool's window.
 func (l *lane) push(e *entry, gen uint64) {
 	l.send(e, gen)
 	l.q = append(l.q, e)
 	l.stats.inFlight.Store(int64(len(l.q)))
 }
 
-// popSettled removes acknowledged entries from the head of the queue and advances the prefix.
+// popSettled removes acknowledged entries from the head of the queue, advances the prefix and
+// gives their room in the window back.
 func (l *lane) popSettled() {
+	var n, bytes int64
 	for len(l.q) > 0 && l.q[0].acked {
 		e := l.q[0]
 		l.q[0] = nil
 		l.q = l.q[1:]
-		<-l.p.sem
+		n++
+		bytes += e.cost
+		if l.acked == l.checkpointed {
+			l.dirtySince = time.Now()
+		}
 		l.acked = e.seq
 		l.stats.acked.Store(e.seq)
 		l.stats.inFlight.Store(int64(len(l.q)))
+		l.observe(e)
 		switch {
 		case e.duplicate:
 			l.p.duplicates.Add(1)
@@ -255,6 +272,7 @@ func (l *lane) popSettled() {
 		*e = entry{}
 		l.free = append(l.free, e)
 	}
+	l.p.window.give(&l.grant, n, bytes)
 }
 
 // newEntry returns a cleared entry, reused if one is free.
@@ -293,12 +311,20 @@ func (l *lane) stop(why error) error {
 			break
 		}
 	}
+	l.drainAcks()
 	l.popSettled()
-	for range l.q {
-		<-l.p.sem
+	var bytes int64
+	for _, e := range l.q {
+		if e.acked {
+			// Stored, but behind a message that is not: the next owner resends it as a
+			// duplicate, but only this lane can tell whether it stored it out of order.
+			l.observe(e)
+		}
+		bytes += e.cost
 	}
+	l.p.window.give(&l.grant, int64(len(l.q)), bytes)
 	left := len(l.q)
-	l.q = nil
+	l.q, l.held = nil, nil
 	l.stats.inFlight.Store(0)
 	cctx, ccancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer ccancel()
@@ -318,6 +344,17 @@ func (l *lane) stop(why error) error {
 // prepare builds what to publish for one consumed message: the hot path.
 func (l *lane) prepare(d delivery) *entry {
 	e := l.newEntry()
+	l.build(e, d)
+	// Its size on the wire, reply subject included, is what it holds of the pool's window.
+	e.cost = int64(e.msg.Size() + len(l.inbox) + maxUint64Digits)
+	return e
+}
+
+// maxUint64Digits is the longest a sequence is in decimal.
+const maxUint64Digits = 20
+
+// build makes e what to publish for d: the mapped message, or a dead letter with its reason.
+func (l *lane) build(e *entry, d delivery) {
 	e.seq, e.src, e.msg = d.seq, d.msg, &e.m
 	lay := l.p.cfg.Layout
 	hdr := l.headers(e)
@@ -327,7 +364,7 @@ func (l *lane) prepare(d delivery) *entry {
 		e.reason = ReasonMalformedSubject
 		e.m.Subject = lay.MalformedSubject()
 		l.deadHeaders(hdr, e.reason, err.Error())
-		return e
+		return
 	}
 	e.device = l.fields.Device()
 	group, rev, reason := l.p.lookup(e.device)
@@ -336,7 +373,7 @@ func (l *lane) prepare(d delivery) *entry {
 		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
 		e.m.Subject = string(l.buf)
 		l.deadHeaders(hdr, reason, "")
-		return e
+		return
 	}
 	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
 	e.m.Subject = string(l.buf)
@@ -346,7 +383,6 @@ func (l *lane) prepare(d delivery) *entry {
 		e.rev[0] = strconv.FormatUint(rev, 10)
 		hdr[HeaderRevision] = e.rev[:]
 	}
-	return e
 }
 
 const expectedPrefix = "Nats-Expected-"

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -37,8 +38,15 @@ type Config struct {
 	// Incoming is the INCOMING stream's name, also the prefix of every Nats-Msg-Id. Default "INCOMING".
 	Incoming string
 	// MaxInFlight bounds the unacknowledged publishes of all lanes of the pool together (I5).
-	// Default 4096, far below the server's per-stream ingest queue (100k).
+	// Each partition is guaranteed a quarter of an even split of it, which no other lane can
+	// take; the rest goes to the lanes that have work (see [Pool]). Default 4096, far below the
+	// server's per-stream ingest queue (100k); at least the partition count, at most 50000.
 	MaxInFlight int
+	// MaxInFlightBytes bounds the bytes of those publishes (subject, reply, headers and payload
+	// as sent), shared the same way. A lane with nothing in flight may always send one message:
+	// with messages larger than MaxInFlightBytes / (4 × partitions), the bytes in flight can
+	// exceed the bound by one message per lane. Default 64 MiB.
+	MaxInFlightBytes int64
 	// CheckpointInterval is how often a lane writes its acknowledged prefix. Default 100ms.
 	CheckpointInterval time.Duration
 	// PublishTimeout is how long a publish may wait for its acknowledgement. Default 5s.
@@ -48,8 +56,15 @@ type Config struct {
 	// Heartbeat is the ordered consumer's idle heartbeat: a dead server is noticed after about
 	// twice this. Default 1s.
 	Heartbeat time.Duration
-	// PullBatch is how many messages a lane's consumer asks for at once. Default 512.
+	// PullBatch is how many messages a lane's consumer asks for at once; it asks again when it
+	// has handed them all on, so it holds at most this many. Default 512.
 	PullBatch int
+	// PullMaxBytes bounds the bytes of what a lane's consumer asks for at once, as PullBatch
+	// bounds the messages, and the bytes it has handed on that the lane has not taken yet (at
+	// most 64 messages wait there). Counted are subject, reply, headers and payload. It is
+	// raised to the connection's maximum payload plus 8 KiB when lower: a message larger than
+	// a pull request would stall the partition. Default 2 MiB.
+	PullMaxBytes int
 	// RetryBackoff is the first pause before republishing after a failure; it doubles up to
 	// MaxRetryBackoff. Defaults 50ms and 2s.
 	RetryBackoff, MaxRetryBackoff time.Duration
@@ -73,10 +88,16 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
 	if c.Incoming == "" {
-		c.Incoming = "INCOMING"
+		c.Incoming = subjects.DefaultNames.Incoming
 	}
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = 4096
+	}
+	if c.MaxInFlightBytes == 0 {
+		c.MaxInFlightBytes = 64 << 20
+	}
+	if c.PullMaxBytes == 0 {
+		c.PullMaxBytes = 2 << 20
 	}
 	if c.CheckpointInterval == 0 {
 		c.CheckpointInterval = 100 * time.Millisecond
@@ -106,10 +127,12 @@ func (c *Config) setDefaults() error {
 		c.MaxRetryBackoff = 2 * time.Second
 	}
 	switch {
-	case c.MaxInFlight < 1:
-		return fmt.Errorf("%w: MaxInFlight %d must be at least 1", ErrInvalidConfig, c.MaxInFlight)
-	case c.MaxInFlight > 50_000:
-		return fmt.Errorf("%w: MaxInFlight %d must stay far below the server's ingest queue (100k); use at most 50000", ErrInvalidConfig, c.MaxInFlight)
+	case c.MaxInFlight < c.Layout.Partitions:
+		return fmt.Errorf("%w: MaxInFlight %d must be at least the partition count %d (one publish per partition)", ErrInvalidConfig, c.MaxInFlight, c.Layout.Partitions)
+	case c.MaxInFlight > maxWindow:
+		return fmt.Errorf("%w: MaxInFlight %d must stay far below the server's ingest queue (100k); use at most %d", ErrInvalidConfig, c.MaxInFlight, maxWindow)
+	case c.MaxInFlightBytes < 0, c.PullMaxBytes < 0, c.PullBatch < 0:
+		return fmt.Errorf("%w: MaxInFlightBytes, PullMaxBytes and PullBatch must be positive", ErrInvalidConfig)
 	case c.CheckpointInterval < 0, c.PublishTimeout < 0, c.IncarnationCheck < 0, c.DrainTimeout < 0, c.Heartbeat < 0, c.RetryBackoff < 0:
 		return fmt.Errorf("%w: durations must be positive", ErrInvalidConfig)
 	}
@@ -124,11 +147,19 @@ type Stats struct {
 	Retries    uint64            // messages republished after a publish failure
 	Failures   uint64            // publish failures (each one is retried or dead-lettered)
 	Dropped    uint64            // dead letters UNMAPPED refused even stripped: left in INCOMING, logged
-	Reorders   uint64            // messages stored after a refused earlier one of their device
+	Reorders   uint64            // messages this pool stored after a later one of their device (I1)
 	InFlight   int               // publishes awaiting acknowledgement now
+	// InFlightBytes is the size on the wire of the publishes awaiting acknowledgement now.
+	InFlightBytes int64
 }
 
-// Pool runs lanes: one per owned partition, sharing one bound on the publishes in flight.
+// Pool runs lanes: one per owned partition, sharing one bound on the publishes in flight, in
+// messages and in bytes (I5). Each partition is guaranteed a quarter of an even split of the
+// bound, whether its lane runs or not, and no other lane can take it: a lane whose publishes go
+// unanswered keeps what it holds through every retry, and must not stall the others. The rest
+// is shared, so a lone busy lane gets all but the other partitions' guarantees (about three
+// quarters of the bound), and a lane holding an even share of the running lanes or more takes
+// nothing more while another lane waits for room.
 // Its methods are safe for concurrent use.
 type Pool struct {
 	js     jetstream.JetStream // consumers
@@ -138,7 +169,8 @@ type Pool struct {
 	cfg    Config
 	log    zerolog.Logger
 
-	sem chan struct{} // one token per publish in flight, shared by all lanes (I5)
+	window    *window // the publishes in flight, shared by all lanes (I5)
+	pullBytes int     // PullMaxBytes, raised to what the largest message needs
 
 	mapped, duplicates, retries, failures atomic.Uint64
 	dropped, reorders                     atomic.Uint64
@@ -152,9 +184,7 @@ type Pool struct {
 	incAt time.Time
 	inc   string
 
-	warnMu   sync.Mutex
-	warnLast map[string]time.Time
-	warnSkip map[string]int
+	warns ratelog.Limiter // one line a second per kind of problem
 }
 
 // New returns a pool that consumes and publishes with js, writes checkpoints to the control
@@ -168,18 +198,18 @@ func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg 
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
+	nc := js.Conn()
 	return &Pool{
-		js:       js,
-		nc:       js.Conn(),
-		ctl:      ctl,
-		lookup:   lookup,
-		cfg:      cfg,
-		log:      cfg.Logger,
-		sem:      make(chan struct{}, cfg.MaxInFlight),
-		unmapped: make(map[string]uint64),
-		lanes:    make(map[*lane]struct{}),
-		warnLast: make(map[string]time.Time),
-		warnSkip: make(map[string]int),
+		js:        js,
+		nc:        nc,
+		ctl:       ctl,
+		lookup:    lookup,
+		cfg:       cfg,
+		log:       cfg.Logger,
+		window:    newWindow(int64(cfg.MaxInFlight), cfg.MaxInFlightBytes, cfg.Layout.Partitions),
+		pullBytes: max(cfg.PullMaxBytes, int(nc.MaxPayload())+8<<10),
+		unmapped:  make(map[string]uint64),
+		lanes:     make(map[*lane]struct{}),
 	}, nil
 }
 
@@ -229,6 +259,7 @@ func (p *Pool) Partitions() []PartitionStats {
 }
 
 func (p *Pool) register(l *lane) {
+	p.window.register()
 	p.lanesMu.Lock()
 	p.lanes[l] = struct{}{}
 	p.lanesMu.Unlock()
@@ -238,6 +269,7 @@ func (p *Pool) unregister(l *lane) {
 	p.lanesMu.Lock()
 	delete(p.lanes, l)
 	p.lanesMu.Unlock()
+	p.window.unregister(&l.grant)
 }
 
 // DrainTimeout returns how long a stopping lane may wait for its in-flight publishes.
@@ -252,9 +284,10 @@ func (p *Pool) Stats() Stats {
 		Failures:   p.failures.Load(),
 		Dropped:    p.dropped.Load(),
 		Reorders:   p.reorders.Load(),
-		InFlight:   len(p.sem),
 		Unmapped:   make(map[string]uint64),
 	}
+	msgs, bytes := p.window.inFlight()
+	s.InFlight, s.InFlightBytes = int(msgs), bytes
 	p.unmappedMu.Lock()
 	for k, v := range p.unmapped {
 		s.Unmapped[k] = v
@@ -276,17 +309,10 @@ func (p *Pool) countUnmapped(reason string) {
 // warn logs at most one line per second per kind of problem, with the number it left out, so a
 // flood of bad input cannot flood the log (I6).
 func (p *Pool) warn(kind string, f func(e *zerolog.Event)) {
-	p.warnMu.Lock()
-	now := time.Now()
-	if now.Sub(p.warnLast[kind]) < time.Second {
-		p.warnSkip[kind]++
-		p.warnMu.Unlock()
+	skipped, ok := p.warns.Allow(kind)
+	if !ok {
 		return
 	}
-	skipped := p.warnSkip[kind]
-	p.warnSkip[kind] = 0
-	p.warnLast[kind] = now
-	p.warnMu.Unlock()
 	e := p.log.Warn()
 	if skipped > 0 {
 		e = e.Int("suppressed", skipped)

@@ -88,12 +88,15 @@ func (l *lane) acknowledge(m *nats.Msg) {
 	if e == nil || e.settled() {
 		return
 	}
-	e.duplicate, e.err = parseAck(m)
+	e.duplicate, e.out, e.err = parseAck(m)
 	if e.err != nil {
 		l.failed = true
 		return
 	}
 	e.acked = true
+	if !e.duplicate {
+		l.ro.noteNew(e)
+	}
 	l.timeout = l.p.cfg.PublishTimeout
 }
 
@@ -185,35 +188,51 @@ func (l *lane) wait(ctx context.Context) error {
 }
 
 var (
-	ackError = []byte(`"error"`)
-	// nats-server 2.15 writes `"duplicate": true` (stream.go, processJetStreamMsg); an encoder
-	// writes it without the space.
-	ackDuplicate        = []byte(`"duplicate": true`)
-	ackDuplicateCompact = []byte(`"duplicate":true`)
-	ackSeq              = []byte(`"seq"`)
+	ackError     = []byte(`"error"`)
+	ackDuplicate = []byte(`"duplicate"`)
+	ackSeq       = []byte(`"seq"`)
+	ackTrue      = []byte("true")
 )
 
 // parseAck reads a JetStream publish acknowledgement without decoding JSON on the happy path:
-// {"stream":"OUTGOING","seq":12} or with "duplicate":true. An error answer is decoded into the
-// server's *jetstream.APIError; a "no responders" status means no stream captures the subject.
-func parseAck(m *nats.Msg) (duplicate bool, err error) {
+// {"stream":"OUTGOING","seq":12} or with "duplicate":true, where seq is the sequence of the copy
+// stored first. An error answer is decoded into the server's *jetstream.APIError; a "no
+// responders" status means no stream captures the subject.
+func parseAck(m *nats.Msg) (duplicate bool, seq uint64, err error) {
 	if len(m.Data) == 0 {
 		if m.Header.Get("Status") == "503" {
-			return false, errNoStream
+			return false, 0, errNoStream
 		}
-		return false, errBadAck
+		return false, 0, errBadAck
 	}
 	if bytes.Contains(m.Data, ackError) {
 		var r struct {
 			Error *jetstream.APIError `json:"error"`
 		}
 		if json.Unmarshal(m.Data, &r) != nil || r.Error == nil {
-			return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+			return false, 0, fmt.Errorf("%w: %q", errBadAck, m.Data)
 		}
-		return false, r.Error
+		return false, 0, r.Error
 	}
-	if !bytes.Contains(m.Data, ackSeq) {
-		return false, fmt.Errorf("%w: %q", errBadAck, m.Data)
+	seqAt := afterKey(m.Data, ackSeq)
+	if seqAt < 0 {
+		return false, 0, fmt.Errorf("%w: %q", errBadAck, m.Data)
 	}
-	return bytes.Contains(m.Data, ackDuplicate) || bytes.Contains(m.Data, ackDuplicateCompact), nil
+	for ; seqAt < len(m.Data) && '0' <= m.Data[seqAt] && m.Data[seqAt] <= '9'; seqAt++ {
+		seq = seq*10 + uint64(m.Data[seqAt]-'0')
+	}
+	// The server writes "duplicate": true with a space, a JSON encoder without one.
+	dupAt := afterKey(m.Data, ackDuplicate)
+	return dupAt >= 0 && bytes.HasPrefix(m.Data[dupAt:], ackTrue), seq, nil
+}
+
+// afterKey returns where the value of key (quoted) starts in the JSON object b, or -1.
+func afterKey(b, key []byte) int {
+	i := bytes.Index(b, key)
+	if i < 0 {
+		return -1
+	}
+	for i += len(key); i < len(b) && (b[i] == ':' || b[i] == ' '); i++ {
+	}
+	return i
 }

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
@@ -55,7 +57,14 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 	if err != nil {
 		return err
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(l.p.cfg.PullBatch), jetstream.PullHeartbeat(l.p.cfg.Heartbeat))
+	// One pull request at a time, sent when everything of the last one has been read: the
+	// consumer then holds at most one request's worth, PullBatch messages and pullBytes bytes.
+	// (With requests bounded in bytes, the server ends each with a status message, which takes
+	// a slot of the consumer's buffer, sized for the messages alone: a second request open
+	// while the reader waits for the lane would overflow it, and nats.go would drop a message
+	// as a slow consumer.)
+	it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(l.p.cfg.PullBatch, l.p.pullBytes),
+		jetstream.PullThresholdMessages(1), jetstream.PullHeartbeat(l.p.cfg.Heartbeat))
 	if err != nil {
 		return err
 	}
@@ -83,8 +92,12 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 				return err
 			}
 		}
+		d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
+		if !l.handoff.wait(ctx, d.size, int64(l.p.pullBytes)) {
+			return nil
+		}
 		select {
-		case out <- delivery{msg: m, seq: ack.StreamSeq}:
+		case out <- d:
 			*next = ack.StreamSeq + 1
 			l.stats.pending.Store(ack.Pending)
 		case <-ctx.Done():
@@ -104,4 +117,54 @@ func (l *lane) checkIncarnation(ctx context.Context) error {
 		return fmt.Errorf("%w: partition %d was reading incarnation %s, INCOMING is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, inc)
 	}
 	return nil
+}
+
+// handoffLen is how many consumed messages the reader may hand on before the lane takes them.
+const handoffLen = 64
+
+// handoff bounds the bytes of the messages the reader has handed to the lane and the lane has
+// not taken yet (up to handoffLen of them wait in a channel). The first always passes, whatever
+// its size.
+type handoff struct {
+	bytes atomic.Int64
+	room  chan struct{} // capacity 1: the lane took a message since the reader last looked
+}
+
+// wait waits until a message of size bytes fits under limit, and counts it. It returns false if
+// ctx ended first. Only the reader calls it.
+func (h *handoff) wait(ctx context.Context, size, limit int64) bool {
+	for {
+		if n := h.bytes.Load(); n == 0 || n+size <= limit {
+			h.bytes.Add(size)
+			return true
+		}
+		select {
+		case <-h.room:
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+// taken tells the reader that the lane took a message of size bytes.
+func (h *handoff) taken(size int64) {
+	h.bytes.Add(-size)
+	select {
+	case h.room <- struct{}{}:
+	default:
+	}
+}
+
+// headerSize is the size of h on the wire, as nats.go counts it.
+func headerSize(h nats.Header) int {
+	if len(h) == 0 {
+		return 0
+	}
+	n := len("NATS/1.0\r\n\r\n")
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4 // ": " and CRLF
+		}
+	}
+	return n
 }

@@ -46,7 +46,9 @@ func (l *lane) recover(ctx context.Context) error {
 		return nil
 	}
 	l.failed = false
-	l.checkReorder()
+	// A resent message may now be stored after a later one of its device that was not
+	// refused: look at every message in flight now as it leaves the queue.
+	l.ro.until = max(l.ro.until, l.q[len(l.q)-1].seq)
 	gen := l.p.generation()
 	for _, e := range l.q {
 		if e.acked {
@@ -118,26 +120,4 @@ func (l *lane) strip(e *entry, why string) {
 	hdr[HeaderError] = []string{why}
 	e.msg = &nats.Msg{Subject: e.msg.Subject, Header: hdr}
 	e.stripped = true
-}
-
-// checkReorder looks, before a resend, for a failed publish followed by a stored one of the same
-// device: resending the first puts it behind the second. The server refuses single messages
-// only under duress (an ingest queue over 100k, a stream without a leader), and the lane keeps
-// in-flight far below that; if it happens anyway, it is counted and logged so that it is not
-// silent, and `kvmapper verify` names the messages.
-func (l *lane) checkReorder() {
-	var failed map[string]bool
-	for _, e := range l.q {
-		switch {
-		case e.err != nil && e.device != "":
-			if failed == nil {
-				failed = map[string]bool{}
-			}
-			failed[e.device] = true
-		case e.acked && !e.duplicate && failed[e.device]:
-			l.p.reorders.Add(1)
-			l.log.Error().Uint64("seq", e.seq).Str("device", e.device).
-				Msg("a message was stored after an earlier one of its device was refused: their order in OUTGOING is reversed (the server refused single messages; check its limits)")
-		}
-	}
 }

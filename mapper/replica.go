@@ -20,6 +20,8 @@ import (
 	"github.com/kvmapper/kvmapper/metrics"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // ErrInvalidConfig is wrapped by the errors of [New] for a configuration the replica cannot run
@@ -249,7 +251,7 @@ func (r *Replica) newObservers(cfg Config) error {
 		Subject: cfg.EventsSubject,
 		Replica: r.id,
 		ResumeSeq: func(ctx context.Context, p int) (uint64, error) {
-			e, err := r.control.Get(ctx, lanes.CheckpointKey(p))
+			e, err := r.control.Get(ctx, subjects.CheckpointKey(p))
 			if err != nil {
 				return 0, err
 			}
