@@ -24,7 +24,7 @@ type Snapshot struct {
 	Retries    uint64            // messages republished after a failure
 	Failures   uint64            // publish failures
 	Dropped    uint64            // dead letters UNMAPPED refused even stripped
-	Reorders   uint64            // messages stored after a refused earlier one of their device
+	Reorders   uint64            // messages this replica stored after a later one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 
 	Owned      int         // partitions this replica holds a lease for
@@ -182,7 +182,7 @@ var (
 	descRetries    = prometheus.NewDesc("kvmapper_publish_retries_total", "Messages republished after a publish failure.", nil, nil)
 	descFailures   = prometheus.NewDesc("kvmapper_publish_failures_total", "Publish failures (each is retried or dead-lettered).", nil, nil)
 	descDropped    = prometheus.NewDesc("kvmapper_dropped_total", "Dead letters UNMAPPED refused even stripped: left in INCOMING and logged.", nil, nil)
-	descReorders   = prometheus.NewDesc("kvmapper_reorders_total", "Messages stored after a refused earlier message of the same device (order reversed; alert on any).", nil, nil)
+	descReorders   = prometheus.NewDesc("kvmapper_reorders_total", "Messages this replica stored after a later message of the same device (order reversed; alert on any).", nil, nil)
 	descInFlight   = prometheus.NewDesc("kvmapper_in_flight", "Publishes awaiting acknowledgement.", nil, nil)
 	descOwned      = prometheus.NewDesc("kvmapper_partitions_owned", "Partitions this replica holds a lease for.", nil, nil)
 	descLag        = prometheus.NewDesc("kvmapper_partition_lag_messages", "Messages of the partition in INCOMING not yet acknowledged downstream (running lanes only).", []string{"partition"}, nil)
