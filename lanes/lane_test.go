@@ -246,7 +246,7 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 	dl := f.read("UNMAPPED", 1)[0]
 	h := dl.Headers()
 	if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID(2) || h.Get(lanes.HeaderError) == "" {
-		t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id INCOMING:2 and the server's error", h)
+		t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id %s and the server's error", h, f.msgID(2))
 	}
 	if dl.Subject() != "unmapped.dev-1.evt" {
 		t.Errorf("dead letter subject %q", dl.Subject())

@@ -187,6 +187,7 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 		t.Fatal(err)
 	}
 	relay := f.srv.Connect(t)
+	firstID := f.msgID(1)
 	held := make(chan *nats.Msg, 1) // the late acknowledgement, addressed to the lane
 	var once sync.Once
 	if _, err := relay.Subscribe("outgoing.>", func(m *nats.Msg) {
@@ -197,7 +198,7 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 			return
 		}
 		late := false
-		if m.Header.Get("Nats-Msg-Id") == "INCOMING:1" {
+		if m.Header.Get("Nats-Msg-Id") == firstID {
 			once.Do(func() { late = true })
 		}
 		if late {
@@ -216,7 +217,12 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	late := <-held
+	var late *nats.Msg
+	select {
+	case late = <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no acknowledgement of %s reached the relay within 30s", firstID)
+	}
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if n := pool.Stats().Failures; n == 0 {
 			return errors.New("the publish whose acknowledgement is held has not timed out yet")
