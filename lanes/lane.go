@@ -164,7 +164,7 @@ func (l *lane) run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				// Released (or shut down) while resending: stop drains what is left.
 				stopReading()
-				return l.stop(nil)
+				return l.stopped(ctx)
 			}
 			continue
 		}
@@ -190,7 +190,7 @@ func (l *lane) run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			stopReading()
-			return l.stop(nil)
+			return l.stopped(ctx)
 		case d := <-inc:
 			l.handoff.taken(d.size)
 			// Most of the time there is room: publish now rather than in another round.
@@ -283,6 +283,18 @@ func (l *lane) newEntry() *entry {
 		return e
 	}
 	return new(entry)
+}
+
+// stopped stops the lane because ctx ended. Its cause says why: [ErrFenced] (the lease is
+// lost) stops it without resending anything; anything else (a release, a shutdown) drains it.
+// Either way the caller asked for it, so it returns nil unless the drain itself failed.
+func (l *lane) stopped(ctx context.Context) error {
+	cause := context.Cause(ctx)
+	if errors.Is(cause, ErrFenced) {
+		l.stop(cause)
+		return nil
+	}
+	return l.stop(nil)
 }
 
 // stop drains the lane: it waits (up to DrainTimeout) for the in-flight publishes, resending in

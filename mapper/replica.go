@@ -156,7 +156,19 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 			return err
 		}
-		return pool.Run(ctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
+		// The lanes know nothing of the election: a lost lease reaches them as lanes.ErrFenced,
+		// which stops a lane without resending; a release lets it drain.
+		lctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+		defer cancel(nil)
+		stop := context.AfterFunc(ctx, func() {
+			if cause := context.Cause(ctx); errors.Is(cause, election.ErrLeaseLost) {
+				cancel(fmt.Errorf("%w: %w", lanes.ErrFenced, cause))
+			} else {
+				cancel(cause)
+			}
+		})
+		defer stop()
+		return pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
 	}, ecfg)
 	if err != nil {
 		return nil, invalid(err, election.ErrInvalidConfig)
