@@ -83,7 +83,7 @@ func ensurePartitionStreams(ctx context.Context, js jetstream.JetStream, cfg Con
 				ErrMismatch, name, got.SubjectTransform.Source, got.SubjectTransform.Destination, name)
 		}
 	}
-	if err := probeMapping(ctx, js, cfg); err != nil {
+	if err := CheckMapping(ctx, js, cfg); err != nil {
 		return "", err
 	}
 	what := fmt.Sprintf("partition streams %s ok", span(cfg.Names, n))
@@ -106,13 +106,21 @@ func span(n subjects.Names, partitions int) string {
 // match it, and every stream that captures a probe refuses it without storing it.
 const probeExpect = "kvmapper.probe"
 
-// probeMapping publishes one probe per partition, on a device whose partition it is, and checks
-// that the partition's stream is the one that captures it. A probe carries Nats-Expected-Stream
-// naming no stream: the capturing stream refuses it and answers with its own name, so nothing is
-// stored, nothing reaches a lane or OUTGOING, and there is nothing to delete afterwards (core
-// subscribers of the device subjects do see the probes). No answer at all means that no stream
-// captured it: the mapping is missing.
-func probeMapping(ctx context.Context, js jetstream.JetStream, cfg Config) error {
+// CheckMapping checks that the server puts what devices publish into the partition streams of
+// cfg, which must exist: it publishes one probe per partition, on a device of that partition,
+// and checks that the partition's stream is the one that captures it. It returns an error
+// wrapping [ErrNoMapping], with the configuration to add, when one is not. [Ensure] calls it in
+// the partition-streams layout; it blocks for one round trip per partition.
+//
+// A probe carries Nats-Expected-Stream naming no stream: the capturing stream refuses it and
+// answers with its own name, so nothing is stored, nothing reaches a lane or OUTGOING, and
+// there is nothing to delete afterwards (core subscribers of the device subjects do see the
+// probes). No answer at all means that no stream captured it: the mapping is missing.
+func CheckMapping(ctx context.Context, js jetstream.JetStream, cfg Config) error {
+	cfg.Defaults()
+	if cfg.Layout == nil {
+		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
 	lay := cfg.Layout
 	nc := js.Conn()
 	devices := probeDevices(lay.Partitions)
