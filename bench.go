@@ -19,6 +19,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/bench"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func benchCommand() *cli.Command {
@@ -42,6 +43,7 @@ func benchCommand() *cli.Command {
 			&cli.IntFlag{Name: "payload", Value: 128, Usage: "message size in bytes"},
 			&cli.IntFlag{Name: "partitions", Value: 16, Usage: "partitions of INCOMING"},
 			&cli.IntFlag{Name: "replicas", Value: 1, Usage: "in-process kvmapper replicas for throughput, latency and mapping"},
+			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (the bench's own server gets the mapping; a --server must have it)"},
 			&cli.IntFlag{Name: "rate", Value: 10_000, Usage: "latency: publish rate, msgs/s"},
 			&cli.DurationFlag{Name: "duration", Value: 10 * time.Second, Usage: "latency: length of each run"},
 			&cli.IntFlag{Name: "changes", Value: 200, Usage: "mapping: group changes to time"},
@@ -78,7 +80,12 @@ func benchAction(c *cli.Context) error {
 		return err
 	}
 
+	sl, err := subjects.ParseStreamLayout(c.String("layout"))
+	if err != nil {
+		return usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
+	}
 	cfg := bench.Config{
+		StreamLayout:     sl,
 		URL:              c.String("server"),
 		Only:             only,
 		Messages:         c.Int("messages"),
@@ -120,7 +127,7 @@ func benchAction(c *cli.Context) error {
 	}
 
 	if cfg.URL == "" {
-		srv, err := startServerChild(ctx, exe, c.String("data-dir"), c.String("server-cpuprofile"))
+		srv, err := startServerChild(ctx, exe, c.String("data-dir"), c.String("server-cpuprofile"), sl, c.Int("partitions"))
 		if err != nil {
 			return err
 		}
@@ -163,7 +170,7 @@ func benchChild(exe string) bench.ChildFunc {
 		return exec.Command(exe, "run", "--server", url, "--replica-id", id,
 			"--partitions", strconv.Itoa(n.Partitions),
 			"--incoming-stream", n.Incoming, "--outgoing-stream", n.Outgoing, "--unmapped-stream", n.Unmapped,
-			"--groups-bucket", n.Groups, "--control-bucket", n.Control,
+			"--groups-bucket", n.Groups, "--control-bucket", n.Control, "--layout", string(n.StreamLayout),
 			"--log-level", "warn", "--log-format", "json")
 	}
 }
@@ -176,7 +183,9 @@ type serverChild struct {
 	done chan struct{}
 }
 
-func startServerChild(ctx context.Context, exe, dir, cpuprofile string) (*serverChild, error) {
+// startServerChild starts kvmapper server; in the partition-streams layout it gets the mapping
+// of partitions partitions.
+func startServerChild(ctx context.Context, exe, dir, cpuprofile string, sl subjects.StreamLayout, partitions int) (*serverChild, error) {
 	s := &serverChild{done: make(chan struct{})}
 	if dir == "" {
 		d, err := os.MkdirTemp("", "kvmapper-bench-")
@@ -185,7 +194,7 @@ func startServerChild(ctx context.Context, exe, dir, cpuprofile string) (*server
 		}
 		dir, s.dir = d, d
 	}
-	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir}
+	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--layout", string(sl), "--partitions", strconv.Itoa(partitions)}
 	if cpuprofile != "" {
 		args = append(args, "--cpuprofile", cpuprofile)
 	}

@@ -19,6 +19,8 @@ func env(name string) []string { return []string{"KVMAPPER_" + name} }
 // layoutFlags name the subjects, streams and buckets; every command has them.
 func layoutFlags() []cli.Flag {
 	return []cli.Flag{
+		&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single (one stream partitioned by its subject transform; works on any server) or " +
+			"streams (one stream per partition, <incoming-stream>-<p>, filled by an account subject mapping the server must have: setup checks it and prints it, run --embedded sets it)", EnvVars: env("LAYOUT")},
 		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)", EnvVars: env("PARTITIONS")},
 		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to", EnvVars: env("IN")},
 		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to", EnvVars: env("OUT")},
@@ -84,14 +86,19 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	if r := c.Int("stream-replicas"); r < 1 || r > 5 {
 		return setup.Config{}, usagef("invalid value %d for flag --stream-replicas: must be 1 to 5", r)
 	}
+	sl, err := subjects.ParseStreamLayout(c.String("layout"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
+	}
 	cfg := setup.Config{
 		Layout: lay,
 		Names: subjects.Names{
-			Incoming: c.String("incoming-stream"),
-			Outgoing: c.String("outgoing-stream"),
-			Unmapped: c.String("unmapped-stream"),
-			Groups:   c.String("groups-bucket"),
-			Control:  c.String("control-bucket"),
+			Incoming:     c.String("incoming-stream"),
+			Outgoing:     c.String("outgoing-stream"),
+			Unmapped:     c.String("unmapped-stream"),
+			Groups:       c.String("groups-bucket"),
+			Control:      c.String("control-bucket"),
+			StreamLayout: sl,
 		},
 		Replicas: c.Int("stream-replicas"),
 	}

@@ -144,7 +144,7 @@ func runAction(c *cli.Context) error {
 
 	servers := c.String("server")
 	if c.Bool("embedded") {
-		srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"))
+		srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
 		if err != nil {
 			return err
 		}
@@ -175,6 +175,7 @@ func runAction(c *cli.Context) error {
 		Lanes: lanes.Config{
 			Layout:             lay,
 			Incoming:           scfg.Incoming,
+			StreamLayout:       scfg.StreamLayout,
 			MaxInFlight:        c.Int("max-in-flight"),
 			MaxInFlightBytes:   c.Int64("max-in-flight-bytes"),
 			CheckpointInterval: c.Duration("checkpoint-interval"),
@@ -211,7 +212,19 @@ func runAction(c *cli.Context) error {
 	return err
 }
 
-func startEmbedded(listen, dir string) (*server.Server, string, error) {
+// mappings returns the account subject mappings the stream layout of cfg needs from the server:
+// none for the single-stream layout, the partitioning mapping for the partition streams.
+func mappings(cfg setup.Config) map[string]string {
+	if cfg.StreamLayout != subjects.PartitionStreams {
+		return nil
+	}
+	return map[string]string{cfg.Layout.MappingSource(): cfg.Layout.MappingDest()}
+}
+
+// startEmbedded starts a NATS server with JetStream listening on listen, its data in dir, whose
+// global account has the subject mappings given (source → destination), as a `mappings` block in
+// a server configuration file would give them.
+func startEmbedded(listen, dir string, mappings map[string]string) (*server.Server, string, error) {
 	host, port, err := net.SplitHostPort(listen)
 	if err != nil {
 		return nil, "", usagef("invalid value %q for flag --listen: want host:port (%v)", listen, err)
@@ -220,14 +233,26 @@ func startEmbedded(listen, dir string) (*server.Server, string, error) {
 	if err != nil || p < -1 || p > 65535 {
 		return nil, "", usagef("invalid value %q for flag --listen: bad port", listen)
 	}
-	srv, err := server.NewServer(&server.Options{
+	opts := &server.Options{
 		ServerName: "kvmapper-embedded",
 		Host:       host,
 		Port:       p,
 		JetStream:  true,
 		StoreDir:   dir,
 		NoSigs:     true,
-	})
+	}
+	if len(mappings) > 0 {
+		// What the server does with a top-level mappings block: the global account, configured
+		// before the server accepts a connection.
+		gacc := server.NewAccount(server.DEFAULT_GLOBAL_ACCOUNT)
+		for src, dest := range mappings {
+			if err := gacc.AddMapping(src, dest); err != nil {
+				return nil, "", fmt.Errorf("embedded NATS server: mapping %s → %s: %w", src, dest, err)
+			}
+		}
+		opts.Accounts = []*server.Account{gacc}
+	}
+	srv, err := server.NewServer(opts)
 	if err != nil {
 		return nil, "", fmt.Errorf("starting embedded NATS server: %w", err)
 	}

@@ -8,6 +8,9 @@ import (
 	"syscall"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // serverCommand runs only an embedded NATS server with JetStream: kvmapper bench starts one as a
@@ -23,6 +26,9 @@ func serverCommand() *cli.Command {
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port to listen on"},
 			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data directory"},
 			&cli.StringFlag{Name: "cpuprofile", Usage: "file for a CPU profile taken between SIGUSR1 and SIGUSR2"},
+			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "streams: give the server the account mapping of the partition-streams layout"},
+			&cli.IntFlag{Name: "partitions", Value: 16, Usage: "partitions of that mapping"},
+			&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template of that mapping"},
 		},
 		Action: serverAction,
 	}
@@ -38,7 +44,15 @@ func serverAction(c *cli.Context) error {
 	defer signal.Stop(stop)
 	defer signal.Stop(prof)
 
-	srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"))
+	sl, err := subjects.ParseStreamLayout(c.String("layout"))
+	if err != nil {
+		return usageError{err}
+	}
+	lay, err := subjects.NewLayout(c.String("in"), "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", c.Int("partitions"))
+	if err != nil {
+		return usageError{err}
+	}
+	srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), mappings(setup.Config{Layout: lay, Names: subjects.Names{StreamLayout: sl}}))
 	if err != nil {
 		return err
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/audit"
 	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func verifyCommand() *cli.Command {
@@ -87,7 +88,7 @@ func verifyAction(c *cli.Context) error {
 	if c.Bool("json") {
 		err = printJSON(c.App.Writer, rep)
 	} else {
-		printReport(c.App.Writer, rep, scfg.Incoming, scfg.Outgoing, scfg.Unmapped)
+		printReport(c.App.Writer, rep, scfg.Names)
 	}
 	if err != nil {
 		return err
@@ -119,7 +120,16 @@ func printJSON(w io.Writer, rep *audit.Report) error {
 	}{rep.OK(), rep, rep.Elapsed.Seconds(), rate(rep)})
 }
 
-func printReport(w io.Writer, rep *audit.Report, in, out, unm string) {
+func printReport(w io.Writer, rep *audit.Report, names subjects.Names) {
+	in, out, unm := names.Incoming, names.Outgoing, names.Unmapped
+	// What was audited: INCOMING's range, or every partition stream's.
+	audited := fmt.Sprintf("%d %s messages (seq %d..%d)", rep.Incoming, in, rep.IncomingFirst, rep.IncomingLast)
+	failed := fmt.Sprintf("%s seq %d..%d (%d messages)", in, rep.IncomingFirst, rep.IncomingLast, rep.Incoming)
+	if n := len(rep.Ranges); names.StreamLayout == subjects.PartitionStreams && n > 0 {
+		audited = fmt.Sprintf("%d messages of the %d partition streams %s … %s", rep.Incoming, n, rep.Ranges[0].Stream, rep.Ranges[n-1].Stream)
+		failed = fmt.Sprintf("the partition streams %s … %s (%d messages)", rep.Ranges[0].Stream, rep.Ranges[n-1].Stream, rep.Incoming)
+		in += "-<p>"
+	}
 	speed := fmt.Sprintf("read %d messages in %v (%.0f msgs/s)", rep.Outgoing+rep.Unmapped, rep.Elapsed.Round(time.Millisecond), rate(rep))
 	var extra string
 	if rep.Foreign > 0 {
@@ -129,13 +139,13 @@ func printReport(w io.Writer, rep *audit.Report, in, out, unm string) {
 		extra += fmt.Sprintf(" %d messages name sequences outside %s's range and were checked for order only.", rep.OutOfRange, in)
 	}
 	if rep.OK() {
-		fmt.Fprintf(w, "OK: all %d %s messages (seq %d..%d) are in %s (%d) or %s (%d), once each; %s, "+
+		fmt.Fprintf(w, "OK: all %s are in %s (%d) or %s (%d), once each; %s, "+
 			"each in order; no stale epoch; %s.%s\n",
-			rep.Incoming, in, rep.IncomingFirst, rep.IncomingLast, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
+			audited, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
 		return
 	}
-	fmt.Fprintf(w, "FAILED: %s seq %d..%d (%d messages) against %s (%d read) and %s (%d read), %s; %s.%s\n",
-		in, rep.IncomingFirst, rep.IncomingLast, rep.Incoming, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
+	fmt.Fprintf(w, "FAILED: %s against %s (%d read) and %s (%d read), %s; %s.%s\n",
+		failed, out, rep.Outgoing, unm, rep.Unmapped, plural(rep.Devices, "device"), speed, extra)
 	for _, k := range []struct {
 		name string
 		n    uint64

@@ -2,7 +2,6 @@ package audit
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -11,7 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -70,13 +68,18 @@ type Finding struct {
 // [Config.MaxFindings] examples per kind, missing first, then duplicate, reorder, stale-epoch and
 // foreign, each in the order found.
 type Report struct {
-	// Incoming counts the INCOMING messages audited: FirstSeq..LastSeq when Run started, minus
-	// the sequences deleted then.
-	Incoming      uint64 `json:"incoming"`
-	IncomingFirst uint64 `json:"incoming_first"` // first sequence of the audited range
-	IncomingLast  uint64 `json:"incoming_last"`  // last sequence of the audited range
-	Outgoing      uint64 `json:"outgoing"`       // messages read from OUTGOING
-	Unmapped      uint64 `json:"unmapped"`       // messages read from UNMAPPED
+	// Incoming counts the INCOMING messages audited: FirstSeq..LastSeq of each stream holding
+	// them when Run started, minus the sequences deleted then.
+	Incoming uint64 `json:"incoming"`
+	// IncomingFirst and IncomingLast are the audited range of INCOMING in the single-stream
+	// layout; 0 in the partition-streams layout, whose ranges are in Ranges.
+	IncomingFirst uint64 `json:"incoming_first"`
+	IncomingLast  uint64 `json:"incoming_last"`
+	// Ranges are the audited ranges of each stream holding INCOMING messages: INCOMING alone,
+	// or every partition stream in partition order.
+	Ranges   []Range `json:"ranges"`
+	Outgoing uint64  `json:"outgoing"` // messages read from OUTGOING
+	Unmapped uint64  `json:"unmapped"` // messages read from UNMAPPED
 	// OutOfRange counts messages read whose INCOMING sequence lies outside the audited range
 	// (older than FirstSeq, e.g. trimmed by INCOMING's limits, or newer than LastSeq). They are
 	// checked for order and epoch, but a duplicate among them is found only when it follows the
@@ -171,16 +174,21 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	}
 
 	rep := &Report{
-		Incoming:      a.incoming,
-		IncomingFirst: a.first,
-		IncomingLast:  a.last,
-		Outgoing:      out.read,
-		Unmapped:      unm.read,
-		OutOfRange:    out.outOfRange + unm.outOfRange,
-		Devices:       out.devices(nil) + unm.devices(out),
+		Outgoing:   out.read,
+		Unmapped:   unm.read,
+		OutOfRange: out.outOfRange + unm.outOfRange,
+		Devices:    out.devices(nil) + unm.devices(out),
 	}
-	rep.Missing = a.missingCount()
-	per := map[string][]Finding{KindMissing: a.missingFindings(ctx, js)}
+	per := map[string][]Finding{}
+	for _, src := range a.sources {
+		rep.Ranges = append(rep.Ranges, src.Range)
+		rep.Incoming += src.Count
+		rep.Missing += src.missingCount()
+		per[KindMissing] = append(per[KindMissing], a.missingFindings(ctx, js, src, cfg.MaxFindings-len(per[KindMissing]))...)
+	}
+	if cfg.StreamLayout != subjects.PartitionStreams {
+		rep.IncomingFirst, rep.IncomingLast = a.sources[0].First, a.sources[0].Last
+	}
 	for _, r := range []*reader{out, unm} {
 		rep.Reorders += r.counts[KindReorder]
 		rep.Duplicates += r.counts[KindDuplicate]
@@ -200,21 +208,15 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 
 // auditor is the state shared by the two readers.
 type auditor struct {
-	cfg         Config
-	first, last uint64 // the audited INCOMING range; empty when last < first
-	incoming    uint64
-	seen        bitmap // seq-first, set when a copy is read
-	deleted     bitmap // seq-first, deleted at the start; nil when there were none
-	idPrefix    string // "<INCOMING>:<incarnation>:", see lanes.MsgIDPrefix
-	// legacyPrefix is "<INCOMING>:", the Nats-Msg-Id prefix written before ids named the
-	// incarnation of INCOMING; such ids stored after INCOMING was created are taken as its own,
-	// those stored before as an earlier incarnation's.
-	legacyPrefix string
-	inCreated    int64 // when INCOMING was created, Unix nanoseconds
+	cfg Config
+	// sources are the streams holding INCOMING messages, in partition order; byName finds them
+	// by the stream name a Nats-Msg-Id starts with.
+	sources []*source
+	byName  map[string]*source
 	// ctlCreated is when the control bucket was created (Unix nanoseconds), 0 when unknown:
 	// lease epochs start again with a new bucket.
 	ctlCreated int64
-	missing    atomic.Int64 // audited sequences not seen yet
+	missing    atomic.Int64 // audited sequences not seen yet, of every source
 	allFound   context.CancelFunc
 
 	progressMu   sync.Mutex
@@ -222,108 +224,23 @@ type auditor struct {
 }
 
 func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor, error) {
-	s, err := js.Stream(ctx, cfg.Incoming)
-	if err != nil {
-		return nil, fmt.Errorf("audit: opening stream %s: %w", cfg.Incoming, err)
+	a := &auditor{cfg: cfg, byName: make(map[string]*source)}
+	var missing uint64
+	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
+		src, err := openSource(ctx, js, name, cfg.StreamLayout != subjects.PartitionStreams)
+		if err != nil {
+			return nil, err
+		}
+		a.sources = append(a.sources, src)
+		a.byName[name] = src
+		missing += src.Count
 	}
-	info, err := s.Info(ctx, jetstream.WithDeletedDetails(true))
-	if err != nil {
-		return nil, fmt.Errorf("audit: reading the state of stream %s: %w", cfg.Incoming, err)
-	}
-	st := info.State
-	a := &auditor{cfg: cfg, idPrefix: lanes.MsgIDPrefix(cfg.Incoming, lanes.Incarnation(info.Created)), legacyPrefix: cfg.Incoming + ":",
-		inCreated: info.Created.UnixNano()}
 	// A control bucket that cannot be read leaves ctlCreated 0: epochs are then compared as they are.
 	if cs, err := js.Stream(ctx, subjects.BucketStream(cfg.Control)); err == nil {
 		a.ctlCreated = cs.CachedInfo().Created.UnixNano()
 	}
-	if st.Msgs == 0 {
-		return a, nil
-	}
-	a.first, a.last = st.FirstSeq, st.LastSeq
-	n := a.last - a.first + 1
-	a.seen = newBitmap(n)
-	a.incoming = n
-	if st.NumDeleted > 0 {
-		if len(st.Deleted) < st.NumDeleted {
-			return nil, fmt.Errorf("audit: stream %s reports %d deleted messages but listed %d; cannot tell them from missing ones",
-				cfg.Incoming, st.NumDeleted, len(st.Deleted))
-		}
-		a.deleted = newBitmap(n)
-		for _, seq := range st.Deleted {
-			if seq >= a.first && seq <= a.last && !a.deleted.set(seq-a.first) {
-				a.incoming--
-			}
-		}
-	}
-	a.missing.Store(int64(a.incoming))
+	a.missing.Store(int64(missing))
 	return a, nil
-}
-
-// mark records a copy of seq and reports whether it is in the audited range and whether a copy
-// had been seen before.
-func (a *auditor) mark(seq uint64) (inRange, dup bool) {
-	if seq < a.first || seq > a.last {
-		return false, false
-	}
-	i := seq - a.first
-	if a.seen.set(i) {
-		return true, true
-	}
-	if a.deleted == nil || !a.deleted.get(i) {
-		if a.missing.Add(-1) == 0 {
-			a.allFound()
-		}
-	}
-	return true, false
-}
-
-func (a *auditor) missingCount() uint64 {
-	if a.last < a.first || a.seen == nil {
-		return 0
-	}
-	n := a.last - a.first + 1
-	got := a.seen.count()
-	if a.deleted != nil {
-		got = a.seen.countAndNot(a.deleted) + a.deleted.count()
-	}
-	return n - got
-}
-
-// missingFindings lists up to MaxFindings missing sequences, with the subject each has in
-// INCOMING (one GetMsg per example).
-func (a *auditor) missingFindings(ctx context.Context, js jetstream.JetStream) []Finding {
-	var l []Finding
-	if a.seen == nil || a.cfg.MaxFindings == 0 {
-		return nil
-	}
-	s, err := js.Stream(ctx, a.cfg.Incoming)
-	n := a.last - a.first + 1
-	for i := uint64(0); i < n && len(l) < a.cfg.MaxFindings; i++ {
-		i = a.seen.nextClear(i, n)
-		if i >= n {
-			break
-		}
-		if a.deleted != nil && a.deleted.get(i) {
-			continue
-		}
-		seq := a.first + i
-		f := Finding{Kind: KindMissing, Seq: seq, Stream: a.cfg.Incoming, StreamSeq: seq,
-			Detail: fmt.Sprintf("%s:%d is in neither %s nor %s", a.cfg.Incoming, seq, a.cfg.Outgoing, a.cfg.Unmapped)}
-		if err == nil {
-			if m, gerr := s.GetMsg(ctx, seq); gerr == nil {
-				var fl subjects.Fields
-				if a.cfg.Layout.Parse(m.Subject, &fl) == nil {
-					f.Device = fl.Device()
-				}
-				f.Detail += " (subject " + m.Subject + ")"
-			} else if errors.Is(gerr, jetstream.ErrMsgNotFound) {
-				f.Detail += " (deleted from INCOMING since the audit started)"
-			}
-		}
-		l = append(l, f)
-	}
-	return l
 }
 
 // progress adds n to the messages read and calls Config.Progress every 64k messages, or now.

@@ -21,24 +21,35 @@ import (
 
 // env is a server with the three streams of the default layout.
 type env struct {
-	t   testing.TB
-	srv *natstest.Server
-	js  jetstream.JetStream
-	lay *subjects.Layout
+	t     testing.TB
+	srv   *natstest.Server
+	js    jetstream.JetStream
+	lay   *subjects.Layout
+	names subjects.Names
 }
 
-func newEnv(t testing.TB) *env {
+func newEnv(t testing.TB) *env { return newEnvIn(t, subjects.SingleStream) }
+
+// newEnvIn is newEnv in the stream layout sl; for the partition streams, the server maps the
+// device subjects into them.
+func newEnvIn(t testing.TB, sl subjects.StreamLayout) *env {
 	t.Helper()
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {
 		t.Fatalf("NewLayout: %v", err)
 	}
 	srv := natstest.Start(t)
+	if sl == subjects.PartitionStreams {
+		if err := srv.GlobalAccount().AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
+			t.Fatal(err)
+		}
+	}
 	_, js := srv.JetStream(t)
-	if _, err := setup.Ensure(context.Background(), js, setup.Config{Layout: lay}); err != nil {
+	names := subjects.Names{StreamLayout: sl}.WithDefaults()
+	if _, err := setup.Ensure(context.Background(), js, setup.Config{Layout: lay, Names: names}); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
-	return &env{t: t, srv: srv, js: js, lay: lay}
+	return &env{t: t, srv: srv, js: js, lay: lay, names: names}
 }
 
 // in publishes one message per device to INCOMING and returns their sequences.
@@ -66,13 +77,18 @@ type put struct {
 }
 
 // idPrefix is the Nats-Msg-Id prefix the mapper uses for INCOMING as it is now.
-func (e *env) idPrefix() string {
+func (e *env) idPrefix() string { return e.idPrefixOf("") }
+
+// idPrefixOf is the Nats-Msg-Id prefix the mapper uses for device's messages: that of the stream
+// holding its partition, as it is now.
+func (e *env) idPrefixOf(device string) string {
 	e.t.Helper()
-	s, err := e.js.Stream(context.Background(), "INCOMING")
+	name, _ := e.names.IncomingStream(e.lay, subjects.Partition(device, e.lay.Partitions))
+	s, err := e.js.Stream(context.Background(), name)
 	if err != nil {
-		e.t.Fatalf("Stream(INCOMING): %v", err)
+		e.t.Fatalf("Stream(%s): %v", name, err)
 	}
-	return lanes.MsgIDPrefix("INCOMING", lanes.Incarnation(s.CachedInfo().Created))
+	return lanes.MsgIDPrefix(name, lanes.Incarnation(s.CachedInfo().Created))
 }
 
 // out writes c as the mapper would and returns its stream sequence. It fails on a duplicate.
@@ -100,7 +116,7 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 	}
 	switch c.id {
 	case "":
-		m.Header.Set(nats.MsgIdHdr, e.idPrefix()+strconv.FormatUint(c.seq, 10))
+		m.Header.Set(nats.MsgIdHdr, e.idPrefixOf(c.device)+strconv.FormatUint(c.seq, 10))
 	case "legacy":
 		m.Header.Set(nats.MsgIdHdr, "INCOMING:"+strconv.FormatUint(c.seq, 10))
 	case "-":
@@ -118,6 +134,7 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 func (e *env) run(cfg audit.Config) *audit.Report {
 	e.t.Helper()
 	cfg.Layout = e.lay
+	cfg.StreamLayout = e.names.StreamLayout
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	rep, err := audit.Run(ctx, e.js, cfg)

@@ -193,21 +193,21 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 		device = r.subj.device(subject)
 	}
 	id := hdr.Get(nats.MsgIdHdr)
-	seq, ok := parseID(id, r.a.idPrefix)
-	if !ok && ack.Time >= r.a.inCreated {
-		seq, ok = parseID(id, r.a.legacyPrefix)
-	}
+	src, seq, ok := r.a.sourceOf(id, ack.Time)
 	if !ok {
 		if r.note(KindForeign) {
 			detail := "no Nats-Msg-Id header"
 			if id != "" {
-				detail = fmt.Sprintf("Nats-Msg-Id %q does not have the form %s<sequence>", id, r.a.idPrefix)
+				detail = fmt.Sprintf("Nats-Msg-Id %q does not have the form %s<sequence>", id, r.a.sources[0].idPrefix)
+				if len(r.a.sources) > 1 {
+					detail = fmt.Sprintf("Nats-Msg-Id %q names no partition stream's current incarnation (%s<sequence> …)", id, r.a.sources[0].idPrefix)
+				}
 			}
 			r.add(Finding{Kind: KindForeign, Device: device, StreamSeq: sseq, Detail: detail + " (subject " + subject + ")"})
 		}
 		return sseq, pending
 	}
-	inRange, dup := r.a.mark(seq)
+	inRange, dup := r.a.mark(src, seq)
 	if !inRange {
 		r.outOfRange++
 	}
@@ -226,14 +226,14 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 		default:
 			if r.note(KindReorder) {
 				r.add(Finding{Kind: KindReorder, Device: device, Seq: seq, StreamSeq: sseq,
-					Detail: fmt.Sprintf("%s:%d stored after %s:%d of the same device", r.a.cfg.Incoming, seq, r.a.cfg.Incoming, r.last[i])})
+					Detail: fmt.Sprintf("%s:%d stored after %s:%d of the same device", src.Stream, seq, src.Stream, r.last[i])})
 			}
 		}
 	}
 	if dup {
 		if r.note(KindDuplicate) {
 			r.add(Finding{Kind: KindDuplicate, Device: device, Seq: seq, StreamSeq: sseq,
-				Detail: fmt.Sprintf("%s:%d stored again (subject %s)", r.a.cfg.Incoming, seq, subject)})
+				Detail: fmt.Sprintf("%s:%d stored again (subject %s)", src.Stream, seq, subject)})
 		}
 	}
 	if ps := hdr.Get(lanes.HeaderPartition); ps != "" {

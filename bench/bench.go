@@ -76,6 +76,12 @@ type Config struct {
 	Partitions int
 	// Replicas is how many in-process kvmapper replicas share the throughput run. Default 1.
 	Replicas int
+	// StreamLayout is how INCOMING is stored (subjects.SingleStream by default). With
+	// subjects.PartitionStreams the server must map the device subjects into the partition
+	// streams (the bench's own server does, when started with the same layout); the copy and
+	// transform contenders then source every partition stream, and the naive mapper, whose one
+	// consumer reads one stream, does not run.
+	StreamLayout subjects.StreamLayout
 
 	// Rate is the publish rate of the latency run, in messages a second. Default 10,000.
 	Rate int
@@ -159,6 +165,11 @@ func (c *Config) setDefaults() error {
 	if _, err := subjects.NewLayout(inTemplate, outTemplate, unmappedTemplate, c.Partitions); err != nil {
 		return bad("%v", err)
 	}
+	sl, err := subjects.ParseStreamLayout(string(c.StreamLayout))
+	if err != nil {
+		return bad("%v", err)
+	}
+	c.StreamLayout = sl
 	return nil
 }
 
@@ -189,14 +200,16 @@ type Machine struct {
 
 // Report holds the results of the sub-benchmarks that ran; the others are nil.
 type Report struct {
-	Machine    Machine            `json:"machine"`
-	Throughput *ThroughputResult  `json:"throughput,omitempty"`
-	Latency    *LatencyResult     `json:"latency,omitempty"`
-	Mapping    *MappingResult     `json:"mapping_change,omitempty"`
-	Table      *TableResult       `json:"table,omitempty"`
-	Failover   *FailoverResult    `json:"failover,omitempty"`
-	Elapsed    Seconds            `json:"elapsed_s"`
-	Config     map[string]float64 `json:"config"`
+	Machine Machine `json:"machine"`
+	// StreamLayout is how INCOMING was stored: "single" or "streams".
+	StreamLayout string             `json:"stream_layout"`
+	Throughput   *ThroughputResult  `json:"throughput,omitempty"`
+	Latency      *LatencyResult     `json:"latency,omitempty"`
+	Mapping      *MappingResult     `json:"mapping_change,omitempty"`
+	Table        *TableResult       `json:"table,omitempty"`
+	Failover     *FailoverResult    `json:"failover,omitempty"`
+	Elapsed      Seconds            `json:"elapsed_s"`
+	Config       map[string]float64 `json:"config"`
 }
 
 // Seconds is a duration that prints, and encodes to JSON, as seconds.
@@ -218,7 +231,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	start := time.Now()
-	rep := &Report{Machine: machine(), Config: map[string]float64{
+	rep := &Report{Machine: machine(), StreamLayout: string(cfg.StreamLayout), Config: map[string]float64{
 		"messages": float64(cfg.Messages), "naive_messages": float64(min(cfg.NaiveMessages, cfg.Messages)),
 		"devices": float64(cfg.Devices), "payload": float64(cfg.Payload), "partitions": float64(cfg.Partitions),
 		"replicas": float64(cfg.Replicas), "rate": float64(cfg.Rate), "duration_s": cfg.Duration.Seconds(),
@@ -358,11 +371,12 @@ func (e *env) names(outgoing string) Names {
 	e.runs++
 	return Names{
 		Names: subjects.Names{
-			Incoming: incomingStream,
-			Outgoing: outgoing,
-			Unmapped: unmappedStream,
-			Groups:   groupsBucket,
-			Control:  fmt.Sprintf("%scontrol-%d", bucketPrefix, e.runs),
+			Incoming:     incomingStream,
+			Outgoing:     outgoing,
+			Unmapped:     unmappedStream,
+			Groups:       groupsBucket,
+			Control:      fmt.Sprintf("%scontrol-%d", bucketPrefix, e.runs),
+			StreamLayout: e.cfg.StreamLayout,
 		},
 		Partitions: e.cfg.Partitions,
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/bench"
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // tiny is a configuration small enough for a test: it checks that every sub-benchmark runs and
@@ -130,6 +131,51 @@ func TestRun(t *testing.T) {
 	}
 }
 
+// In the partition-streams layout the contenders read every partition stream: the server maps
+// the device subjects into them, and the naive mapper does not run.
+func TestRunPartitionStreams(t *testing.T) {
+	srv := natstest.Start(t)
+	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.GlobalAccount().AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cfg := tiny(srv.URL())
+	cfg.Only = []string{bench.Throughput, bench.Failover}
+	cfg.StreamLayout = subjects.PartitionStreams
+	cfg.Replicas = 3
+	rep, err := bench.Run(ctx, cfg)
+	if err != nil {
+		t.Fatalf("Run() error = %v", err)
+	}
+	tp := rep.Throughput
+	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000}
+	if tp == nil || len(tp.Contenders) != len(want) || rep.StreamLayout != "streams" {
+		t.Fatalf("Run() = layout %q, throughput %+v; want the streams layout and %d contenders", rep.StreamLayout, tp, len(want))
+	}
+	for _, c := range tp.Contenders {
+		if c.Messages != want[c.Name] || c.MsgsPerSec <= 0 {
+			t.Errorf("%s: Messages = %d at %v msgs/s, want %d", c.Name, c.Messages, c.MsgsPerSec, want[c.Name])
+		}
+	}
+	if f := rep.Failover; f == nil || f.Published == 0 || f.Lost != 0 {
+		t.Errorf("Failover = %+v, want messages published and none lost", f)
+	}
+	var text bytes.Buffer
+	if err := rep.WriteText(&text); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{"16 partitions (streams layout), 3 kvmapper replica(s)", "naive: not run"} {
+		if !strings.Contains(text.String(), s) {
+			t.Errorf("WriteText() output lacks %q:\n%s", s, text.String())
+		}
+	}
+}
+
 func TestRunRefusesForeignStreams(t *testing.T) {
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -150,6 +196,7 @@ func TestRunInvalidConfig(t *testing.T) {
 		"no url":        func(c *bench.Config) { c.URL = "" },
 		"unknown only":  func(c *bench.Config) { c.Only = []string{"speed"} },
 		"small payload": func(c *bench.Config) { c.Payload = 4 },
+		"stream layout": func(c *bench.Config) { c.StreamLayout = "sharded" },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := tiny("nats://127.0.0.1:1")

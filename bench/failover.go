@@ -155,7 +155,7 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 	if err := e.purgeIncoming(ctx); err != nil {
 		return nil, err
 	}
-	in, err := e.streamInfo(ctx, incomingStream)
+	_, inLast, err := e.incomingState(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -326,11 +326,11 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 	if err := stop(); err != nil {
 		return nil, fmt.Errorf("publishing load: %w", err)
 	}
-	after, err := e.streamInfo(ctx, incomingStream)
+	_, afterLast, err := e.incomingState(ctx)
 	if err != nil {
 		return nil, err
 	}
-	res.Published = after.State.LastSeq - in.State.LastSeq
+	res.Published = afterLast - inLast
 	wt, err := e.waitCount(ctx, names.Outgoing, res.Published, time.Now(), "failover: the rest")
 	if err != nil {
 		return nil, err

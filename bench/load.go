@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // publishWindow bounds the bench's own unacknowledged JetStream publishes, far below the
@@ -25,20 +26,51 @@ const publishWindow = 4096
 // stall lets a publish wait for room in the window instead of failing after nats.go's 200ms.
 var stall = []jetstream.PublishOpt{jetstream.WithStallWait(30 * time.Second)}
 
-// createIncoming creates INCOMING as kvmapper's setup would (partition stamped on ingest) and the
-// groups bucket with every device mapped, unless they exist.
+// incoming names the streams that hold INCOMING messages in the bench's stream layout.
+func (e *env) incoming() subjects.Names {
+	return subjects.Names{Incoming: incomingStream, StreamLayout: e.cfg.StreamLayout}.WithDefaults()
+}
+
+// incomingState sums the state of the streams holding INCOMING messages: the messages they
+// hold, and their last sequences, which count every message ever stored (the bench only purges).
+func (e *env) incomingState(ctx context.Context) (msgs, last uint64, err error) {
+	for _, name := range e.incoming().IncomingStreams(e.cfg.Partitions) {
+		info, err := e.streamInfo(ctx, name)
+		if err != nil {
+			return 0, 0, err
+		}
+		msgs, last = msgs+info.State.Msgs, last+info.State.LastSeq
+	}
+	return msgs, last, nil
+}
+
+// createIncoming creates INCOMING as kvmapper's setup would (partition stamped on ingest, or one
+// stream per partition whose mapping it checks) and the groups bucket with every device mapped,
+// unless they exist.
 func (e *env) createIncoming(ctx context.Context) error {
-	_, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:     incomingStream,
-		Subjects: []string{e.lay.StreamSubject()},
-		SubjectTransform: &jetstream.SubjectTransformConfig{
-			Source: e.lay.TransformSource(), Destination: e.lay.TransformDest(),
-		},
-		Storage:   jetstream.FileStorage,
-		Retention: jetstream.LimitsPolicy,
-	})
-	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		return fmt.Errorf("creating %s: %w", incomingStream, err)
+	names := e.incoming()
+	for p, name := range names.IncomingStreams(e.cfg.Partitions) {
+		cfg := jetstream.StreamConfig{
+			Name:     name,
+			Subjects: []string{e.lay.StreamSubject()},
+			SubjectTransform: &jetstream.SubjectTransformConfig{
+				Source: e.lay.TransformSource(), Destination: e.lay.TransformDest(),
+			},
+			Storage:   jetstream.FileStorage,
+			Retention: jetstream.LimitsPolicy,
+		}
+		if names.StreamLayout == subjects.PartitionStreams {
+			cfg.Subjects, cfg.SubjectTransform = []string{e.lay.Filter(p)}, nil
+		}
+		_, err := e.js.CreateStream(ctx, cfg)
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("creating %s: %w", name, err)
+		}
+	}
+	if names.StreamLayout == subjects.PartitionStreams {
+		if err := setup.CheckMapping(ctx, e.js, setup.Config{Layout: e.lay, Names: names}); err != nil {
+			return err
+		}
 	}
 	kv, err := e.js.KeyValue(ctx, groupsBucket)
 	if err == nil {
@@ -97,11 +129,7 @@ func stamp(data []byte) (time.Time, bool) {
 // fill publishes n messages into INCOMING, devices in turn, and waits until all are stored.
 // It returns the rate the server stored them at.
 func (e *env) fill(ctx context.Context, n int) (float64, error) {
-	s, err := e.js.Stream(ctx, incomingStream)
-	if err != nil {
-		return 0, err
-	}
-	before, err := s.Info(ctx)
+	before, _, err := e.incomingState(ctx)
 	if err != nil {
 		return 0, err
 	}
@@ -126,11 +154,11 @@ func (e *env) fill(ctx context.Context, n int) (float64, error) {
 		return 0, err
 	}
 	elapsed := time.Since(start)
-	after, err := s.Info(ctx)
+	after, _, err := e.incomingState(ctx)
 	if err != nil {
 		return 0, err
 	}
-	if got := after.State.Msgs - before.State.Msgs; got != uint64(n) {
+	if got := after - before; got != uint64(n) {
 		return 0, fmt.Errorf("%s stored %d of the %d messages published", incomingStream, got, n)
 	}
 	return float64(n) / elapsed.Seconds(), nil
@@ -304,11 +332,16 @@ func (e *env) deleteStream(ctx context.Context, name string) error {
 
 // purgeIncoming empties INCOMING; its sequence numbers go on, so a fresh run starts after them.
 func (e *env) purgeIncoming(ctx context.Context) error {
-	s, err := e.js.Stream(ctx, incomingStream)
-	if err != nil {
-		return err
+	for _, name := range e.incoming().IncomingStreams(e.cfg.Partitions) {
+		s, err := e.js.Stream(ctx, name)
+		if err != nil {
+			return err
+		}
+		if err := s.Purge(ctx); err != nil {
+			return err
+		}
 	}
-	return s.Purge(ctx)
+	return nil
 }
 
 // cpuTime returns the user+system CPU time of process pid (0: this process) from /proc.

@@ -11,6 +11,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // The contenders of the throughput run.
@@ -107,6 +109,9 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		{KVMapperBare, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapperBare) }},
 		{Naive, e.naive},
 	}
+	if e.cfg.StreamLayout == subjects.PartitionStreams {
+		runs = runs[:len(runs)-1] // its one consumer reads one stream
+	}
 	for _, r := range runs {
 		c, err := r.run(ctx)
 		if err != nil {
@@ -126,21 +131,26 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 
 // source times a stream sourcing INCOMING, with subject transforms or none.
 func (e *env) source(ctx context.Context, name, stream string, transforms []jetstream.SubjectTransformConfig) (Contender, error) {
-	info, err := e.streamInfo(ctx, incomingStream)
+	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
+	}
+	// Every stream holding INCOMING messages, as kvmapper reads every one.
+	var sources []*jetstream.StreamSource
+	for _, in := range e.incoming().IncomingStreams(e.cfg.Partitions) {
+		sources = append(sources, &jetstream.StreamSource{Name: in, SubjectTransforms: transforms})
 	}
 	cpu := e.cpuStart()
 	start := time.Now()
 	_, err = e.js.CreateStream(ctx, jetstream.StreamConfig{
 		Name:    stream,
 		Storage: jetstream.FileStorage,
-		Sources: []*jetstream.StreamSource{{Name: incomingStream, SubjectTransforms: transforms}},
+		Sources: sources,
 	})
 	if err != nil {
 		return Contender{}, fmt.Errorf("creating %s: %w", stream, err)
 	}
-	w, err := e.waitCount(ctx, stream, info.State.Msgs, start, name)
+	w, err := e.waitCount(ctx, stream, msgs, start, name)
 	if err != nil {
 		return Contender{}, err
 	}
@@ -165,7 +175,7 @@ func (e *env) streamInfo(ctx context.Context, name string) (*jetstream.StreamInf
 // KVMapperBare leaves the provenance headers out; only the KVMapper run is profiled and counts
 // allocations.
 func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) (Contender, error) {
-	info, err := e.streamInfo(ctx, incomingStream)
+	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
 	}
@@ -194,7 +204,7 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) 
 	}
 	cpu := e.cpuStart()
 	start := time.Now()
-	w, werr := e.waitCount(ctx, names.Outgoing, info.State.Msgs, start, name)
+	w, werr := e.waitCount(ctx, names.Outgoing, msgs, start, name)
 	server, client := cpu.stop()
 	runtime.ReadMemStats(&ms1)
 	if main {

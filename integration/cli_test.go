@@ -67,6 +67,7 @@ func TestBadFlagValueIsOneLineAndExitCode2(t *testing.T) {
 		"replica id with dot":             {"run", "--replica-id", "a.b"},
 		"in flight below one a partition": {"run", "--max-in-flight", "8"},
 		"in flight bytes too few":         {"run", "--max-in-flight-bytes", "1000"},
+		"unknown stream layout":           {"verify", "--layout", "sharded"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			out, errOut, code := runCLI(t, args...)

@@ -66,6 +66,8 @@ type env struct {
 	js     jetstream.JetStream
 	groups jetstream.KeyValue
 	ctl    jetstream.KeyValue
+	// names say how INCOMING is stored: one stream, or one per partition.
+	names subjects.Names
 }
 
 func newEnv(t *testing.T) *env {
@@ -73,15 +75,42 @@ func newEnv(t *testing.T) *env {
 	return envOn(t, natstest.Start(t))
 }
 
+// newEnvIn is newEnv in the stream layout sl. For the partition streams the server's global
+// account maps the device subjects into them, as a mappings block in its configuration would.
+func newEnvIn(t *testing.T, sl subjects.StreamLayout) *env {
+	t.Helper()
+	srv := natstest.Start(t)
+	if sl == subjects.PartitionStreams {
+		lay := layout(t)
+		if err := srv.GlobalAccount().AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return envIn(t, srv, sl)
+}
+
+// eachLayout runs test as one subtest per stream layout, each on a server of its own.
+func eachLayout(t *testing.T, test func(t *testing.T, e *env)) {
+	t.Helper()
+	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
+		t.Run(string(sl), func(t *testing.T) { test(t, newEnvIn(t, sl)) })
+	}
+}
+
 // envOn is newEnv on a server the test started, with extra client options (credentials).
 func envOn(t *testing.T, srv *natstest.Server, opts ...nats.Option) *env {
 	t.Helper()
-	e := &env{t: t, srv: srv}
+	return envIn(t, srv, subjects.SingleStream, opts...)
+}
+
+func envIn(t *testing.T, srv *natstest.Server, sl subjects.StreamLayout, opts ...nats.Option) *env {
+	t.Helper()
+	e := &env{t: t, srv: srv, names: subjects.Names{StreamLayout: sl}.WithDefaults()}
 	opts = append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(20 * time.Millisecond)}, opts...)
 	e.nc, e.js = srv.JetStream(t, opts...)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t)}); err != nil {
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t), Names: e.names}); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
 	var err error
@@ -117,10 +146,50 @@ var fastFlags = []string{
 	"--checkpoint-interval", "50ms", "--publish-timeout", "2s", "--drain-timeout", "5s",
 }
 
+// flags are the flags every kvmapper command of the env needs: its server and, unless it is the
+// default, its stream layout.
+func (e *env) flags() []string {
+	if e.names.StreamLayout == subjects.SingleStream {
+		return []string{"--server", e.srv.URL()}
+	}
+	return []string{"--server", e.srv.URL(), "--layout", string(e.names.StreamLayout)}
+}
+
+// cli runs a kvmapper command against the env's server in its stream layout.
+func (e *env) cli(command string, args ...string) (string, string, int) {
+	e.t.Helper()
+	return runCLI(e.t, append(append([]string{command}, e.flags()...), args...)...)
+}
+
+// incoming returns every message the streams holding INCOMING messages hold, stream by stream,
+// waiting until they hold n together.
+func (e *env) incoming(n int) []jetstream.Msg {
+	e.t.Helper()
+	names := e.names.IncomingStreams(partitions)
+	natstest.Eventually(e.t, 30*time.Second, func() error {
+		total := 0
+		for _, s := range names {
+			total += e.count(s)
+		}
+		if total < n {
+			return fmt.Errorf("INCOMING holds %d messages, want %d", total, n)
+		}
+		return nil
+	})
+	var out []jetstream.Msg
+	for _, s := range names {
+		if c := e.count(s); c > 0 {
+			out = append(out, e.readStream(s, c, 30*time.Second)...)
+		}
+	}
+	return out
+}
+
 // startMapper starts `kvmapper run` against the env's server and waits until it maps.
 func (e *env) startMapper(id string, extra ...string) *mapper {
 	e.t.Helper()
-	args := append([]string{"run", "--server", e.srv.URL(), "--replica-id", id, "--log-format", "json", "--log-level", "debug"}, fastFlags...)
+	args := append(append([]string{"run"}, e.flags()...), "--replica-id", id, "--log-format", "json", "--log-level", "debug")
+	args = append(args, fastFlags...)
 	args = append(args, extra...)
 	m := startProcess(e.t, id, args...)
 	m.waitLog("groups table loaded", 30*time.Second)

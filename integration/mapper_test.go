@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os/exec"
@@ -16,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func TestSetupIsIdempotentAndRefusesAMismatch(t *testing.T) {
@@ -189,93 +191,103 @@ func TestDeletedKeyAndInvalidValuesGoToUnmapped(t *testing.T) {
 }
 
 func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
-	e := newEnv(t)
-	devs := e.mappedDevices(100)
-	ld := newLoad(t, e.js)
-	ld.publish(devs, 100)
-	first := ld.total()
-	w := e.tapWire()
-	m1 := e.startMapper("m1")
-	// SIGTERM the moment the mapper has sent 2000 of the backlog: mid-stream.
-	w.await(2000, 60*time.Second)
-	m1.stop() // drains what is in flight and writes the final checkpoints
-	mapped1, dup1 := m1.stoppedStats()
-	w.marker()          // every publish of m1 is recorded
-	m1Sent := w.count() // m2 sends the publishes recorded after these
+	eachLayout(t, func(t *testing.T, e *env) {
+		devs := e.mappedDevices(100)
+		ld := newLoad(t, e.js)
+		ld.publish(devs, 100)
+		first := ld.total()
+		w := e.tapWire()
+		m1 := e.startMapper("m1")
+		// SIGTERM the moment the mapper has sent 2000 of the backlog: mid-stream.
+		w.await(2000, 60*time.Second)
+		m1.stop() // drains what is in flight and writes the final checkpoints
+		mapped1, dup1 := m1.stoppedStats()
+		w.marker()          // every publish of m1 is recorded
+		m1Sent := w.count() // m2 sends the publishes recorded after these
 
-	// The stop really was mid-stream: some but not all mapped, each device a prefix of its
-	// messages, and every partition's checkpoint is the last INCOMING sequence it sent, nonzero
-	// and below the partition's last sequence for at least one.
-	n1 := e.count("OUTGOING")
-	if n1 == 0 || n1 >= first || int(mapped1) != n1 {
-		t.Fatalf("after SIGTERM: OUTGOING holds %d, m1 mapped %v, want the same number, above 0 and below the %d sent: the stop was not mid-stream", n1, mapped1, first)
-	}
-	out1 := e.readStream("OUTGOING", n1, 10*time.Second)
-	perDevice(t, out1, nil)
-	sentUpTo := map[int]uint64{} // partition → last INCOMING sequence m1 published
-	for _, m := range out1 {
-		p, _, seq := provenance(t, m.Subject(), m.Headers())
-		sentUpTo[p] = max(sentUpTo[p], seq)
-	}
-	in := e.partitionSeqs(first)
-	cps := map[int]uint64{}
-	midway := 0
-	for p := 0; p < partitions; p++ {
-		cps[p] = e.checkpoint(p)
-		if cps[p] != sentUpTo[p] {
-			t.Errorf("checkpoint.%d = %d after SIGTERM, want %d, the last INCOMING sequence m1 published for it", p, cps[p], sentUpTo[p])
+		// The stop really was mid-stream: some but not all mapped, each device a prefix of its
+		// messages, and every partition's checkpoint is the last INCOMING sequence it sent, nonzero
+		// and below the partition's last sequence for at least one.
+		n1 := e.count("OUTGOING")
+		if n1 == 0 || n1 >= first || int(mapped1) != n1 {
+			t.Fatalf("after SIGTERM: OUTGOING holds %d, m1 mapped %v, want the same number, above 0 and below the %d sent: the stop was not mid-stream", n1, mapped1, first)
 		}
-		if len(in[p]) > 0 && cps[p] > 0 && cps[p] < in[p][len(in[p])-1] {
-			midway++
+		out1 := e.readStream("OUTGOING", n1, 10*time.Second)
+		perDevice(t, out1, nil)
+		sentUpTo := map[int]uint64{} // partition → last INCOMING sequence m1 published
+		for _, m := range out1 {
+			p, _, seq := provenance(t, m.Subject(), m.Headers())
+			sentUpTo[p] = max(sentUpTo[p], seq)
 		}
-	}
-	if midway == 0 {
-		t.Fatalf("checkpoints %v after SIGTERM: none above 0 and below its partition's last INCOMING sequence: the stop was not mid-stream", cps)
-	}
+		in := e.partitionSeqs(first)
+		cps := map[int]uint64{}
+		midway, started := 0, 0
+		for p := 0; p < partitions; p++ {
+			cps[p] = e.checkpoint(p)
+			if cps[p] != sentUpTo[p] {
+				t.Errorf("checkpoint.%d = %d after SIGTERM, want %d, the last INCOMING sequence m1 published for it", p, cps[p], sentUpTo[p])
+			}
+			if len(in[p]) > 0 && cps[p] > 0 && cps[p] < in[p][len(in[p])-1] {
+				midway++
+			}
+			if cps[p] > 0 {
+				started++
+			}
+		}
+		switch {
+		case midway > 0:
+		case e.names.StreamLayout == subjects.PartitionStreams && started > 0:
+			// Each lane reads its own stream at full speed: at the SIGTERM a partition is
+			// mostly done or not started. The next publish puts messages behind every
+			// checkpoint, so m2 still has to resume after nonzero ones.
+		default:
+			t.Fatalf("checkpoints %v after SIGTERM: none above 0 and below its partition's last INCOMING sequence: the stop was not mid-stream", cps)
+		}
 
-	ld.publish(devs, 50)
-	in = e.partitionSeqs(ld.total())
-	m2 := e.startMapper("m2")
-	want := each(devs, 150)
-	perDevice(t, e.readStream("OUTGOING", 15_000, 60*time.Second), want)
-	m2.stop()
-	mapped2, dup2 := m2.stoppedStats()
-	if dup1+dup2 != 0 {
-		t.Errorf("publishes acknowledged as duplicates: %v then %v, want 0 (the checkpoint covers what was sent)", dup1, dup2)
-	}
-	if int(mapped2) != ld.total()-n1 {
-		t.Errorf("the second mapper mapped %v, want exactly the %d that were not mapped yet: it must resume at the checkpoint", mapped2, ld.total()-n1)
-	}
-	// Nothing was sent twice, by either mapper (the wire sees what OUTGOING drops as a
-	// duplicate), and m2's first publish of each partition is the message right after the
-	// checkpoint.
-	firstSent := map[int]uint64{}
-	sentTwice := 0
-	seen := map[string]bool{}
-	for i, m := range w.since(-1) {
-		p, _, seq := provenance(t, m.Subject, m.Header)
-		if id := m.Header.Get(nats.MsgIdHdr); seen[id] {
-			sentTwice++
-		} else {
-			seen[id] = true
+		ld.publish(devs, 50)
+		in = e.partitionSeqs(ld.total())
+		m2 := e.startMapper("m2")
+		want := each(devs, 150)
+		perDevice(t, e.readStream("OUTGOING", 15_000, 60*time.Second), want)
+		m2.stop()
+		mapped2, dup2 := m2.stoppedStats()
+		if dup1+dup2 != 0 {
+			t.Errorf("publishes acknowledged as duplicates: %v then %v, want 0 (the checkpoint covers what was sent)", dup1, dup2)
 		}
-		if _, ok := firstSent[p]; !ok && i >= m1Sent {
-			firstSent[p] = seq
+		if int(mapped2) != ld.total()-n1 {
+			t.Errorf("the second mapper mapped %v, want exactly the %d that were not mapped yet: it must resume at the checkpoint", mapped2, ld.total()-n1)
 		}
-	}
-	if sentTwice > 0 {
-		t.Errorf("%d messages were published twice (seen on the wire), want none across a SIGTERM and restart", sentTwice)
-	}
-	for p := 0; p < partitions; p++ {
-		i, _ := slices.BinarySearch(in[p], cps[p]+1)
-		if i == len(in[p]) {
-			continue // nothing of p after the checkpoint
+		// Nothing was sent twice, by either mapper (the wire sees what OUTGOING drops as a
+		// duplicate), and m2's first publish of each partition is the message right after the
+		// checkpoint.
+		firstSent := map[int]uint64{}
+		sentTwice := 0
+		seen := map[string]bool{}
+		for i, m := range w.since(-1) {
+			p, _, seq := provenance(t, m.Subject, m.Header)
+			if id := m.Header.Get(nats.MsgIdHdr); seen[id] {
+				sentTwice++
+			} else {
+				seen[id] = true
+			}
+			if _, ok := firstSent[p]; !ok && i >= m1Sent {
+				firstSent[p] = seq
+			}
 		}
-		if firstSent[p] != in[p][i] {
-			t.Errorf("partition %d: m2 first published INCOMING sequence %d, want %d, the first after checkpoint %d", p, firstSent[p], in[p][i], cps[p])
+		if sentTwice > 0 {
+			t.Errorf("%d messages were published twice (seen on the wire), want none across a SIGTERM and restart", sentTwice)
 		}
-	}
-	t.Logf("m1 stopped after mapping %d of %d; %d partitions checkpointed midway; m2 mapped %v", n1, first, midway, mapped2)
+		for p := 0; p < partitions; p++ {
+			i, _ := slices.BinarySearch(in[p], cps[p]+1)
+			if i == len(in[p]) {
+				continue // nothing of p after the checkpoint
+			}
+			if firstSent[p] != in[p][i] {
+				t.Errorf("partition %d: m2 first published INCOMING sequence %d, want %d, the first after checkpoint %d", p, firstSent[p], in[p][i], cps[p])
+			}
+		}
+		t.Logf("m1 stopped after mapping %d of %d; %d partitions checkpointed midway; m2 mapped %v", n1, first, midway, mapped2)
+	})
 }
 
 func TestServerRestartMidStream(t *testing.T) {
@@ -313,11 +325,46 @@ func TestServerRestartMidStream(t *testing.T) {
 	m.stop()
 }
 
+// The streams layout needs the server's account mapping: setup and run refuse a server without
+// it before they map anything, and print the configuration block to add.
+func TestStreamsLayoutNeedsTheMapping(t *testing.T) {
+	srv := natstest.Start(t)
+	block := "mappings {\n  \"incoming.*.*\": \"incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}\"\n}"
+	for _, command := range []string{"setup", "run"} {
+		// A process, not runCLI: a run that does not refuse would never exit.
+		m := startProcess(t, command, command, "--server", srv.URL(), "--layout", "streams", "--log-format", "json")
+		select {
+		case <-m.done:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("kvmapper %s --layout streams still runs after 30s against a server without the mapping", command)
+		}
+		var ee *exec.ExitError
+		if !errors.As(m.err, &ee) || ee.ExitCode() != 1 {
+			t.Errorf("kvmapper %s: exit %v, want exit status 1\n%s", command, m.err, m.logs)
+		}
+		for _, want := range []string{block, `nsc add mapping --account <ACCOUNT> --from "incoming.*.*"`, "--layout single"} {
+			if !strings.Contains(m.logs.String(), want) {
+				t.Errorf("kvmapper %s: output does not say %q:\n%s", command, want, m.logs)
+			}
+		}
+	}
+}
+
 func TestQuickStartEmbedded(t *testing.T) {
+	for _, layout := range []string{"single", "streams"} {
+		t.Run(layout, func(t *testing.T) { quickStart(t, layout) })
+	}
+}
+
+func quickStart(t *testing.T, layout string) {
 	dir := t.TempDir()
 	port := freePort(t)
 	url := "nats://127.0.0.1:" + strconv.Itoa(port)
-	m := startProcess(t, "embedded", "run", "--embedded", "--listen", "127.0.0.1:"+strconv.Itoa(port), "--data-dir", dir, "--log-format", "json")
+	args := []string{"run", "--embedded", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--data-dir", dir, "--log-format", "json"}
+	if layout != "single" {
+		args = append(args, "--layout", layout)
+	}
+	m := startProcess(t, "embedded", args...)
 	natstest.Eventually(t, 30*time.Second, func() error {
 		if !strings.Contains(m.logs.String(), "go tool nats -s "+url+" kv put device-groups dev-42 group-a") {
 			return fmt.Errorf("next steps not printed yet")
@@ -355,6 +402,18 @@ func TestQuickStartEmbedded(t *testing.T) {
 		}
 		return nil
 	})
+	// The device's messages are where the layout keeps them.
+	stream := "INCOMING"
+	if layout == "streams" {
+		stream = "INCOMING-" + strconv.Itoa(subjects.Partition("dev-42", 16))
+	}
+	s, err := js.Stream(context.Background(), stream)
+	if err != nil {
+		t.Fatalf("Stream(%s): %v", stream, err)
+	}
+	if n := s.CachedInfo().State.Msgs; n == 0 {
+		t.Errorf("%s holds no message of dev-42", stream)
+	}
 	m.stop()
 }
 

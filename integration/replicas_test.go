@@ -236,7 +236,7 @@ func (e *env) audit(sent map[string]int) {
 		total += n
 	}
 	perDevice(e.t, e.readStream("OUTGOING", total, 90*time.Second), sent)
-	out, errOut, code := runCLI(e.t, "verify", "--server", e.srv.URL(), "--wait", "30s")
+	out, errOut, code := e.cli("verify", "--wait", "30s")
 	if code != 0 {
 		e.t.Fatalf("kvmapper verify: exit %d\n%s%s", code, out, errOut)
 	}
@@ -268,66 +268,67 @@ func percentile(d []time.Duration, q float64) time.Duration {
 }
 
 func TestThreeReplicasKillNineTakeover(t *testing.T) {
-	e := newEnv(t)
-	devs := e.mappedDevices(64)
-	lw := e.watchLeases()
-	ids := []string{"r0", "r1", "r2"}
-	reps := e.startReplicas(ids...)
-	lw.waitBalanced(t, ids...)
-	load := e.startLoad(devs, 10*time.Millisecond)
+	eachLayout(t, func(t *testing.T, e *env) {
+		devs := e.mappedDevices(64)
+		lw := e.watchLeases()
+		ids := []string{"r0", "r1", "r2"}
+		reps := e.startReplicas(ids...)
+		lw.waitBalanced(t, ids...)
+		load := e.startLoad(devs, 10*time.Millisecond)
 
-	kills := 10
-	if os.Getenv("KVMAPPER_SOAK") != "" {
-		kills = 50
-	}
-	var gaps []time.Duration
-	for k := 0; k < kills; k++ {
-		owners := lw.waitBalanced(t, ids...)
-		victim := ids[k%len(ids)]
-		var lost []int
-		for p, o := range owners {
-			if o == victim {
-				lost = append(lost, p)
-			}
+		kills := 10
+		if os.Getenv("KVMAPPER_SOAK") != "" {
+			kills = 50
 		}
-		lw.mu.Lock()
-		from := len(lw.events)
-		lw.mu.Unlock()
-		killed := time.Now()
-		reps[victim].kill()
-		// Every partition of the victim gets a new owner; the gap is kill → claim.
-		natstest.Eventually(t, 15*time.Second, func() error {
+		var gaps []time.Duration
+		for k := 0; k < kills; k++ {
+			owners := lw.waitBalanced(t, ids...)
+			victim := ids[k%len(ids)]
+			var lost []int
+			for p, o := range owners {
+				if o == victim {
+					lost = append(lost, p)
+				}
+			}
 			lw.mu.Lock()
-			defer lw.mu.Unlock()
+			from := len(lw.events)
+			lw.mu.Unlock()
+			killed := time.Now()
+			reps[victim].kill()
+			// Every partition of the victim gets a new owner; the gap is kill → claim.
+			natstest.Eventually(t, 15*time.Second, func() error {
+				lw.mu.Lock()
+				defer lw.mu.Unlock()
+				for _, p := range lost {
+					if o := lw.owner[p]; o == "" || o == victim {
+						return fmt.Errorf("partition %d not taken over yet", p)
+					}
+				}
+				return nil
+			})
+			lw.mu.Lock()
 			for _, p := range lost {
-				if o := lw.owner[p]; o == "" || o == victim {
-					return fmt.Errorf("partition %d not taken over yet", p)
+				for _, ev := range lw.events[from:] {
+					if ev.partition == p && ev.owner != "" && ev.owner != victim {
+						gaps = append(gaps, ev.at.Sub(killed))
+						break
+					}
 				}
 			}
-			return nil
-		})
-		lw.mu.Lock()
-		for _, p := range lost {
-			for _, ev := range lw.events[from:] {
-				if ev.partition == p && ev.owner != "" && ev.owner != victim {
-					gaps = append(gaps, ev.at.Sub(killed))
-					break
-				}
-			}
+			lw.mu.Unlock()
+			reps[victim] = e.startMapper(victim)
 		}
-		lw.mu.Unlock()
-		reps[victim] = e.startMapper(victim)
-	}
-	p50, p99 := percentile(gaps, 0.5), percentile(gaps, 0.99)
-	t.Logf("kill -9 ×%d, %d partitions moved: unowned gap p50 %v, p99 %v, max %v (lease TTL 1s)",
-		kills, len(gaps), p50.Round(time.Millisecond), p99.Round(time.Millisecond), percentile(gaps, 1).Round(time.Millisecond))
-	// Behaviour, with a wide margin for a loaded 2-core machine: takeover follows lease expiry.
-	// This is not a measurement: the README's takeover figure comes from
-	// `kvmapper bench --only failover`, run alone.
-	if p99 > 3*time.Second {
-		t.Errorf("unowned gap p99 %v, want well under lease TTL (1s) + 2s", p99)
-	}
-	e.audit(load.finish(t))
+		p50, p99 := percentile(gaps, 0.5), percentile(gaps, 0.99)
+		t.Logf("kill -9 ×%d, %d partitions moved: unowned gap p50 %v, p99 %v, max %v (lease TTL 1s)",
+			kills, len(gaps), p50.Round(time.Millisecond), p99.Round(time.Millisecond), percentile(gaps, 1).Round(time.Millisecond))
+		// Behaviour, with a wide margin for a loaded 2-core machine: takeover follows lease expiry.
+		// This is not a measurement: the README's takeover figure comes from
+		// `kvmapper bench --only failover`, run alone.
+		if p99 > 3*time.Second {
+			t.Errorf("unowned gap p99 %v, want well under lease TTL (1s) + 2s", p99)
+		}
+		e.audit(load.finish(t))
+	})
 }
 
 // TestStoppedOwnerFencesItself freezes an owner with SIGSTOP while messages for its partitions

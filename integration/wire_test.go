@@ -176,22 +176,34 @@ func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, se
 	t.Helper()
 	p, err1 := strconv.Atoi(hdr.Get(lanes.HeaderPartition))
 	epoch, err2 := strconv.ParseUint(hdr.Get(lanes.HeaderEpoch), 10, 64)
-	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (lanes.MsgIDPrefix).
+	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (lanes.MsgIDPrefix), or INCOMING-<p>:… in
+	// the partition-streams layout.
 	id := hdr.Get(nats.MsgIdHdr)
 	i := strings.LastIndexByte(id, ':')
 	seq, err3 := strconv.ParseUint(id[i+1:], 10, 64)
-	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, "INCOMING:") || i < len("INCOMING:") {
-		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING:<incarnation>:<seq>", subject, hdr)
+	stream := "INCOMING:"
+	if !strings.HasPrefix(id, stream) {
+		stream = "INCOMING-" + strconv.Itoa(p) + ":"
+	}
+	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, stream) || i < len(stream) {
+		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING[-<p>]:<incarnation>:<seq>", subject, hdr)
 	}
 	return p, epoch, seq
 }
 
-// partitionSeqs reads the first n messages of INCOMING and returns each partition's stream
-// sequences, in order (the server stamps the partition as the subject's second token).
+// partitionSeqs reads the first n messages of INCOMING (all n of the partition streams) and
+// returns each partition's stream sequences, in order (the server stamps the partition as the
+// subject's second token).
 func (e *env) partitionSeqs(n int) map[int][]uint64 {
 	e.t.Helper()
 	out := map[int][]uint64{}
-	for _, m := range e.readStream("INCOMING", n, 30*time.Second)[:n] {
+	msgs := e.incoming(n)
+	if e.names.StreamLayout == subjects.SingleStream {
+		msgs = msgs[:n]
+	} else if len(msgs) != n {
+		e.t.Fatalf("the partition streams hold %d messages, want %d", len(msgs), n)
+	}
+	for _, m := range msgs {
 		tok := strings.Split(m.Subject(), ".")
 		p, err := strconv.Atoi(tok[1])
 		md, merr := m.Metadata()

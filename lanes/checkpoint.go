@@ -40,7 +40,7 @@ func (l *lane) fence(ctx context.Context) (uint64, error) {
 }
 
 func (l *lane) tryFence(ctx context.Context) (uint64, error) {
-	inc, st, err := l.p.incoming(ctx)
+	inc, st, err := l.p.incoming(ctx, l.stream)
 	if err != nil {
 		return 0, err
 	}
@@ -51,7 +51,7 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 			return 0, err
 		}
 		if st.Msgs > 0 {
-			l.log.Warn().Uint64("incoming_first", st.FirstSeq).Uint64("incoming_last", st.LastSeq).
+			l.log.Warn().Str("stream", l.stream).Uint64("incoming_first", st.FirstSeq).Uint64("incoming_last", st.LastSeq).
 				Msg("no checkpoint for this partition: starting from its first message in INCOMING " +
 					"(a first run, or the control bucket was re-created: messages older than OUTGOING's " +
 					"duplicate window are then republished; kvmapper verify shows them)")
@@ -74,7 +74,7 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 		// when it was written.
 		l.log.Debug().Uint64("checkpoint", cp.Seq).Msg("checkpoint without incarnation taken as the current INCOMING's")
 	default:
-		l.log.Warn().Str("checkpoint", cp.String()).Str("incarnation", inc).Uint64("incoming_first", st.FirstSeq).
+		l.log.Warn().Str("stream", l.stream).Str("checkpoint", cp.String()).Str("incarnation", inc).Uint64("incoming_first", st.FirstSeq).
 			Msg("the checkpoint belongs to an earlier INCOMING stream (it was deleted and created again): " +
 				"starting this partition from the first message of the new stream")
 		cp.Seq = 0
@@ -88,10 +88,10 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 	return cp.Seq, nil
 }
 
-// setPosition records the incarnation of INCOMING the lane reads and the revision of its fence.
+// setPosition records the incarnation of the stream the lane reads and the revision of its fence.
 func (l *lane) setPosition(inc string, rev uint64) {
 	l.inc, l.cpRev = inc, rev
-	l.idPrefix = MsgIDPrefix(l.p.cfg.Incoming, inc)
+	l.idPrefix = MsgIDPrefix(l.stream, inc)
 }
 
 // checkpoint writes the acknowledged prefix if it moved, with compare-and-set on the revision of

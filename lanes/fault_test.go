@@ -75,7 +75,7 @@ func TestDeadLetterRefusedByUnmapped(t *testing.T) {
 			if tc.stored {
 				dl := f.read("UNMAPPED", 1)[0]
 				h := dl.Headers()
-				if len(dl.Data()) != 0 || h.Get(lanes.HeaderReason) != lanes.ReasonNoMapping || h.Get("Nats-Msg-Id") != f.msgID(1) || h.Get(lanes.HeaderError) == "" {
+				if len(dl.Data()) != 0 || h.Get(lanes.HeaderReason) != lanes.ReasonNoMapping || h.Get("Nats-Msg-Id") != f.msgID("nobody", 1) || h.Get(lanes.HeaderError) == "" {
 					t.Errorf("stripped dead letter: %d bytes, headers %v", len(dl.Data()), h)
 				}
 				return

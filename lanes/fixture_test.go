@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -54,29 +56,83 @@ type fixture struct {
 	ctl    jetstream.KeyValue
 	lay    *subjects.Layout
 	groups *groups
+	// names say how INCOMING is stored: one stream, or one per partition.
+	names subjects.Names
 	// padding, when set, is appended to the payloads publish makes, after a colon.
 	padding []byte
+	// recreated counts, per partition, the runs of runAll that ended with ErrIncomingRecreated.
+	recreated []atomic.Int64
 }
 
-func newFixture(t testing.TB) *fixture {
+// newFixture is a server, streams and buckets in the single-stream layout.
+func newFixture(t testing.TB) *fixture { return newFixtureIn(t, subjects.SingleStream) }
+
+// newFixtureIn is a server, streams and buckets in the stream layout sl. For the
+// partition-streams layout the server's global account maps the device subjects into the
+// partitions, as `kvmapper run --embedded` configures its own server.
+func newFixtureIn(t testing.TB, sl subjects.StreamLayout) *fixture {
 	t.Helper()
 	srv := natstest.Start(t)
-	f := &fixture{t: t, srv: srv, groups: &groups{m: map[string]string{}}}
+	f := &fixture{t: t, srv: srv, groups: &groups{m: map[string]string{}},
+		names: subjects.Names{StreamLayout: sl}.WithDefaults()}
 	f.connect()
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {
 		t.Fatal(err)
 	}
 	f.lay = lay
+	f.mapIncoming()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: lay}); err != nil {
+	if _, err := setup.Ensure(ctx, f.js, f.setupConfig()); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
 	if f.ctl, err = f.js.KeyValue(ctx, "kvmapper"); err != nil {
 		t.Fatal(err)
 	}
 	return f
+}
+
+// eachLayout runs test as one subtest per stream layout, each on a fixture of its own.
+func eachLayout(t *testing.T, test func(t *testing.T, f *fixture)) {
+	t.Helper()
+	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
+		t.Run(string(sl), func(t *testing.T) { test(t, newFixtureIn(t, sl)) })
+	}
+}
+
+// mapIncoming gives the server the account mapping the partition-streams layout needs.
+func (f *fixture) mapIncoming() {
+	f.t.Helper()
+	if f.names.StreamLayout != subjects.PartitionStreams {
+		return
+	}
+	if err := f.srv.GlobalAccount().AddMapping(f.lay.MappingSource(), f.lay.MappingDest()); err != nil {
+		f.t.Fatalf("AddMapping: %v", err)
+	}
+}
+
+// restart restarts the server as an operator would, its configuration (the mapping) included.
+func (f *fixture) restart() {
+	f.t.Helper()
+	f.srv = f.srv.Restart()
+	f.mapIncoming()
+}
+
+func (f *fixture) setupConfig() setup.Config {
+	return setup.Config{Layout: f.lay, Names: f.names}
+}
+
+// config is c with the fixture's layout and stream layout.
+func (f *fixture) config(c lanes.Config) lanes.Config {
+	c.Layout, c.Incoming, c.StreamLayout = f.lay, f.names.Incoming, f.names.StreamLayout
+	return c
+}
+
+// stream is the stream that holds device's messages.
+func (f *fixture) stream(device string) string {
+	s, _ := f.names.IncomingStream(f.lay, subjects.Partition(device, f.lay.Partitions))
+	return s
 }
 
 func (f *fixture) connect() {
@@ -88,7 +144,7 @@ func (f *fixture) connect() {
 // func that cancels them and returns what each Run returned.
 func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
 	f.t.Helper()
-	cfg.Layout = f.lay
+	cfg = f.config(cfg)
 	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
 		lvl, _ := zerolog.ParseLevel(os.Getenv("KVMAPPER_TEST_LOG"))
 		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(lvl).With().Timestamp().Logger()
@@ -268,6 +324,55 @@ func (f *fixture) checkpoint(p int) uint64 {
 	return cp.Seq
 }
 
+// checkReaders checks that each partition's lane reads as its stream layout says: one consumer
+// filtered on its partition on INCOMING, or one unfiltered consumer on INCOMING-<p>.
+func (f *fixture) checkReaders() {
+	f.t.Helper()
+	ctx := context.Background()
+	want := map[string][]string{}
+	for p := range f.lay.Partitions {
+		stream, filter := f.names.IncomingStream(f.lay, p)
+		want[stream] = append(want[stream], filter)
+	}
+	for stream, filters := range want {
+		s, err := f.js.Stream(ctx, stream)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		var got []string
+		cs := s.ListConsumers(ctx)
+		for ci := range cs.Info() {
+			got = append(got, strings.Join(append([]string{ci.Config.FilterSubject}, ci.Config.FilterSubjects...), ""))
+		}
+		if err := cs.Err(); err != nil {
+			f.t.Fatal(err)
+		}
+		slices.Sort(got)
+		slices.Sort(filters)
+		if !slices.Equal(got, filters) {
+			f.t.Errorf("consumers of %s filter on %q, want %q", stream, got, filters)
+		}
+	}
+}
+
+// lastSeq is the sequence of partition p's last message in the stream that holds it.
+func (f *fixture) lastSeq(p int) uint64 {
+	f.t.Helper()
+	stream, _ := f.names.IncomingStream(f.lay, p)
+	s, err := f.js.Stream(context.Background(), stream)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	m, err := s.GetLastMsgForSubject(context.Background(), f.lay.Filter(p))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0
+	}
+	if err != nil {
+		f.t.Fatalf("GetLastMsgForSubject(%s): %v", f.lay.Filter(p), err)
+	}
+	return m.Sequence
+}
+
 // waitOrDump waits until stream holds want messages and, if it does not within timeout, fails
 // with what every lane and stream says about itself.
 func (f *fixture) waitOrDump(pool *lanes.Pool, stream string, want uint64, timeout time.Duration) {
@@ -288,8 +393,12 @@ func (f *fixture) waitOrDump(pool *lanes.Pool, stream string, want uint64, timeo
 	deadline := time.Now().Add(timeout)
 	for count(stream) < want {
 		if time.Now().After(deadline) {
+			var incoming uint64
+			for _, s := range f.names.IncomingStreams(f.lay.Partitions) {
+				incoming += count(s)
+			}
 			f.t.Fatalf("%s holds %d of %d after %v; UNMAPPED %d; INCOMING %d\nstats %+v\nlanes %+v",
-				stream, count(stream), want, timeout, count("UNMAPPED"), count("INCOMING"), pool.Stats(), pool.Partitions())
+				stream, count(stream), want, timeout, count("UNMAPPED"), incoming, pool.Stats(), pool.Partitions())
 		}
 		timer := time.NewTimer(20 * time.Millisecond)
 		<-timer.C

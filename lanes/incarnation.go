@@ -11,10 +11,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// ErrIncomingRecreated is returned by [Pool.Run] when INCOMING was deleted and created again
-// while the lane was reading it: the stream's sequences start again, so the lane's position
-// means nothing in the new stream. The partition's next run starts from the new stream's
-// first message.
+// ErrIncomingRecreated is returned by [Pool.Run] when INCOMING (or, in the partition-streams
+// layout, the partition's stream) was deleted and created again while the lane was reading it:
+// the stream's sequences start again, so the lane's position means nothing in the new stream.
+// The partition's next run starts from the new stream's first message.
 var ErrIncomingRecreated = errors.New("lanes: INCOMING was re-created")
 
 // Incarnation names one life of a stream: its creation time as a short token (base 36 of the
@@ -65,29 +65,36 @@ func (c Checkpoint) Append(b []byte) []byte {
 // String returns the stored form of c.
 func (c Checkpoint) String() string { return string(c.Append(nil)) }
 
-// incoming reads INCOMING's incarnation and state.
-func (p *Pool) incoming(ctx context.Context) (inc string, st jetstream.StreamState, err error) {
-	s, err := p.js.Stream(ctx, p.cfg.Incoming)
+// incoming reads the incarnation and state of stream, one that holds INCOMING messages.
+func (p *Pool) incoming(ctx context.Context, stream string) (inc string, st jetstream.StreamState, err error) {
+	s, err := p.js.Stream(ctx, stream)
 	if err != nil {
-		return "", st, fmt.Errorf("reading stream %s: %w", p.cfg.Incoming, err)
+		return "", st, fmt.Errorf("reading stream %s: %w", stream, err)
 	}
 	info := s.CachedInfo()
 	return Incarnation(info.Created), info.State, nil
 }
 
-// currentIncarnation returns INCOMING's incarnation, read at most once per half
-// IncarnationCheck for all the pool's lanes.
-func (p *Pool) currentIncarnation(ctx context.Context) (string, error) {
+// incarnation is a stream's incarnation as last read, and when.
+type incarnation struct {
+	inc string
+	at  time.Time
+}
+
+// currentIncarnation returns the incarnation of stream, read at most once per half
+// IncarnationCheck for all the pool's lanes that read it: all of them in the single-stream
+// layout, one in the partition-streams layout.
+func (p *Pool) currentIncarnation(ctx context.Context, stream string) (string, error) {
 	p.incMu.Lock()
 	defer p.incMu.Unlock()
-	if !p.incAt.IsZero() && time.Since(p.incAt) < p.cfg.IncarnationCheck/2 {
-		return p.inc, nil
+	if c, ok := p.incs[stream]; ok && time.Since(c.at) < p.cfg.IncarnationCheck/2 {
+		return c.inc, nil
 	}
-	inc, _, err := p.incoming(ctx)
+	inc, _, err := p.incoming(ctx, stream)
 	if err != nil {
 		return "", err
 	}
-	p.inc, p.incAt = inc, time.Now()
+	p.incs[stream] = incarnation{inc: inc, at: time.Now()}
 	return inc, nil
 }
 
@@ -105,13 +112,13 @@ func (l *lane) watchIncarnation(ctx context.Context) {
 		case <-t.C:
 		}
 		rctx, cancel := context.WithTimeout(ctx, l.p.cfg.IncarnationCheck)
-		inc, err := l.p.currentIncarnation(rctx)
+		inc, err := l.p.currentIncarnation(rctx, l.stream)
 		cancel()
 		if err != nil || inc == l.inc {
 			continue // a missing stream shows in the reader's warnings
 		}
 		select {
-		case l.readErr <- fmt.Errorf("%w: partition %d was reading incarnation %s, INCOMING is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, inc):
+		case l.readErr <- fmt.Errorf("%w: partition %d was reading incarnation %s, %s is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, l.stream, inc):
 		default: // the reader reported it first
 		}
 		return

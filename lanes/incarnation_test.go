@@ -3,24 +3,29 @@ package lanes_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // runAll runs every partition in a pool like an owner that keeps its leases: a lane that ends
 // with an error other than its context's is started again, as the election does after a
-// backoff. It returns the pool and a func that stops every lane and waits for them.
+// backoff. It returns the pool and a func that stops every lane and waits for them, and counts
+// in f.recreated the runs of each partition that ended with ErrIncomingRecreated.
 func (f *fixture) runAll(cfg lanes.Config) (*lanes.Pool, func()) {
 	f.t.Helper()
-	cfg.Layout = f.lay
+	cfg = f.config(cfg)
 	if cfg.CheckpointInterval == 0 {
 		cfg.CheckpointInterval = 20 * time.Millisecond
 	}
@@ -30,10 +35,14 @@ func (f *fixture) runAll(cfg lanes.Config) (*lanes.Pool, func()) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
+	f.recreated = make([]atomic.Int64, f.lay.Partitions)
 	for p := range f.lay.Partitions {
 		wg.Go(func() {
 			for ctx.Err() == nil {
 				err := pool.Run(ctx, lanes.Assignment{Partition: p, Epoch: uint64(100 + p)})
+				if errors.Is(err, lanes.ErrIncomingRecreated) {
+					f.recreated[p].Add(1)
+				}
 				if err != nil && !errors.Is(err, lanes.ErrIncomingRecreated) {
 					f.t.Errorf("Run(%d) = %v, want nil or ErrIncomingRecreated", p, err)
 					return
@@ -48,39 +57,52 @@ func (f *fixture) runAll(cfg lanes.Config) (*lanes.Pool, func()) {
 }
 
 // recreateIncoming deletes INCOMING and creates it again as setup does: its sequences start
-// again at 1.
+// again at 1. In the partition-streams layout it re-creates the streams of the even partitions
+// only: the others keep their sequences, and their lanes must go on undisturbed.
 func (f *fixture) recreateIncoming() {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := f.js.DeleteStream(ctx, "INCOMING"); err != nil {
-		f.t.Fatalf("DeleteStream(INCOMING): %v", err)
+	for i, name := range f.names.IncomingStreams(f.lay.Partitions) {
+		if i%2 == 1 {
+			continue
+		}
+		if err := f.js.DeleteStream(ctx, name); err != nil {
+			f.t.Fatalf("DeleteStream(%s): %v", name, err)
+		}
 	}
-	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: f.lay}); err != nil {
+	if _, err := setup.Ensure(ctx, f.js, f.setupConfig()); err != nil {
 		f.t.Fatalf("setup.Ensure: %v", err)
 	}
 }
 
-// msgID is the Nats-Msg-Id of INCOMING sequence seq, in INCOMING as it is now.
-func (f *fixture) msgID(seq uint64) string {
+// msgID is the Nats-Msg-Id of sequence seq of the stream holding device, as that stream is now.
+func (f *fixture) msgID(device string, seq uint64) string {
 	f.t.Helper()
-	s, err := f.js.Stream(context.Background(), "INCOMING")
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return lanes.MsgIDPrefix("INCOMING", lanes.Incarnation(s.CachedInfo().Created)) + strconv.FormatUint(seq, 10)
+	return f.idPrefix(f.stream(device)) + strconv.FormatUint(seq, 10)
 }
 
-// checkIDs checks that every message carries a Nats-Msg-Id of INCOMING's current incarnation.
-func (f *fixture) checkIDs(msgs []nats.Header) {
+// idPrefix is the Nats-Msg-Id prefix of stream as it is now.
+func (f *fixture) idPrefix(stream string) string {
 	f.t.Helper()
-	s, err := f.js.Stream(context.Background(), "INCOMING")
+	s, err := f.js.Stream(context.Background(), stream)
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	prefix := lanes.MsgIDPrefix("INCOMING", lanes.Incarnation(s.CachedInfo().Created))
+	return lanes.MsgIDPrefix(stream, lanes.Incarnation(s.CachedInfo().Created))
+}
+
+// checkIDs checks that every message carries a Nats-Msg-Id of the current incarnation of the
+// stream that holds its partition (from its provenance header).
+func (f *fixture) checkIDs(msgs []nats.Header) {
+	f.t.Helper()
 	for i, h := range msgs {
-		if id := h.Get(nats.MsgIdHdr); !strings.HasPrefix(id, prefix) {
+		p, err := strconv.Atoi(h.Get(lanes.HeaderPartition))
+		if err != nil {
+			f.t.Fatalf("message %d: no partition header: %v", i, h)
+		}
+		stream, _ := f.names.IncomingStream(f.lay, p)
+		if id, prefix := h.Get(nats.MsgIdHdr), f.idPrefix(stream); !strings.HasPrefix(id, prefix) {
 			f.t.Fatalf("message %d after INCOMING was re-created: Nats-Msg-Id %q, want prefix %q", i, id, prefix)
 		}
 	}
@@ -90,51 +112,70 @@ func (f *fixture) checkIDs(msgs []nats.Header) {
 // checkpoints hold the old stream's sequences; honouring them would skip the new stream's
 // first messages, and reusing the old Msg-Ids would have OUTGOING drop them as duplicates.
 func TestIncomingRecreatedWhileStopped(t *testing.T) {
-	f := newFixture(t)
-	devs := devices(20)
-	for _, d := range devs {
-		f.groups.set(d, "g")
-	}
-	_, stop := f.runAll(lanes.Config{})
-	f.publish(devs, 100, nil)
-	f.read("OUTGOING", 2000)
-	stop()
-	if f.checkpoint(0) == 0 {
-		t.Fatal("checkpoint.0 = 0 before INCOMING was re-created: the test would prove nothing")
-	}
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := devices(20)
+		for _, d := range devs {
+			f.groups.set(d, "g")
+		}
+		_, stop := f.runAll(lanes.Config{})
+		f.publish(devs, 100, nil)
+		f.read("OUTGOING", 2000)
+		stop()
+		if f.checkpoint(0) == 0 {
+			t.Fatal("checkpoint.0 = 0 before INCOMING was re-created: the test would prove nothing")
+		}
 
-	f.recreateIncoming()
-	f.publishFrom(devs, 100, 25, nil)
-	f.runAll(lanes.Config{})
-	msgs := f.read("OUTGOING", 2500)
-	checkOrder(t, msgs, devs, 125, func(d string) string { return "outgoing.g." + d + ".evt" })
-	var hdrs []nats.Header
-	for _, m := range msgs[2000:] {
-		hdrs = append(hdrs, m.Headers())
-	}
-	f.checkIDs(hdrs)
+		f.recreateIncoming()
+		f.publishFrom(devs, 100, 25, nil)
+		f.runAll(lanes.Config{})
+		msgs := f.read("OUTGOING", 2500)
+		checkOrder(t, msgs, devs, 125, func(d string) string { return "outgoing.g." + d + ".evt" })
+		var hdrs []nats.Header
+		for _, m := range msgs[2000:] {
+			hdrs = append(hdrs, m.Headers())
+		}
+		f.checkIDs(hdrs)
+	})
 }
 
 // INCOMING deleted and created again while the lanes read it: the ordered consumers recreate
 // themselves on the new stream at the old position; the lanes must notice and start over.
 func TestIncomingRecreatedUnderRunningLanes(t *testing.T) {
-	f := newFixture(t)
-	devs := devices(20)
-	for _, d := range devs {
-		f.groups.set(d, "g")
-	}
-	pool, _ := f.runAll(lanes.Config{})
-	f.publish(devs, 100, nil)
-	f.read("OUTGOING", 2000)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := devices(20)
+		for _, d := range devs {
+			f.groups.set(d, "g")
+		}
+		// A short check, so that a lane comparing its stream with another's incarnation would
+		// restart many times during the test.
+		pool, _ := f.runAll(lanes.Config{IncarnationCheck: 100 * time.Millisecond})
+		f.publish(devs, 100, nil)
+		f.read("OUTGOING", 2000)
 
-	f.recreateIncoming()
-	f.publishFrom(devs, 100, 25, nil)
-	f.waitOrDump(pool, "OUTGOING", 2500, time.Minute)
-	msgs := f.read("OUTGOING", 2500)
-	checkOrder(t, msgs, devs, 125, func(d string) string { return "outgoing.g." + d + ".evt" })
-	var hdrs []nats.Header
-	for _, m := range msgs[2000:] {
-		hdrs = append(hdrs, m.Headers())
-	}
-	f.checkIDs(hdrs)
+		f.recreateIncoming()
+		f.publishFrom(devs, 100, 25, nil)
+		f.waitOrDump(pool, "OUTGOING", 2500, time.Minute)
+		msgs := f.read("OUTGOING", 2500)
+		checkOrder(t, msgs, devs, 125, func(d string) string { return "outgoing.g." + d + ".evt" })
+		var hdrs []nats.Header
+		for _, m := range msgs[2000:] {
+			hdrs = append(hdrs, m.Headers())
+		}
+		f.checkIDs(hdrs)
+		// Exactly the lanes whose stream was re-created start over, each of them, busy or idle.
+		recreated := func(p int) bool { return f.names.StreamLayout == subjects.SingleStream || p%2 == 0 }
+		natstest.Eventually(t, 10*time.Second, func() error {
+			for p := range f.lay.Partitions {
+				if recreated(p) && f.recreated[p].Load() == 0 {
+					return fmt.Errorf("the lane of partition %d has not started over on its re-created stream", p)
+				}
+			}
+			return nil
+		})
+		for p := range f.lay.Partitions {
+			if n := f.recreated[p].Load(); !recreated(p) && n != 0 {
+				t.Errorf("the lane of partition %d ended %d times with ErrIncomingRecreated; its stream was not re-created", p, n)
+			}
+		}
+	})
 }

@@ -62,7 +62,9 @@ type lane struct {
 	log zerolog.Logger
 	key string // checkpoint.<p>
 
-	inc          string    // incarnation of INCOMING the lane reads (see [Incarnation])
+	stream       string    // the stream holding the partition: INCOMING, or INCOMING-<p>
+	filter       string    // the partition's filter on stream; "" when the stream holds it alone
+	inc          string    // incarnation of the stream the lane reads (see [Incarnation])
 	cpRev        uint64    // revision of our last checkpoint write: the fence
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
@@ -96,9 +98,13 @@ type lane struct {
 }
 
 func newLane(p *Pool, a Assignment) *lane {
+	names := subjects.Names{Incoming: p.cfg.Incoming, StreamLayout: p.cfg.StreamLayout}
+	stream, filter := names.IncomingStream(p.cfg.Layout, a.Partition)
 	return &lane{
 		p:        p,
 		a:        a,
+		stream:   stream,
+		filter:   filter,
 		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
 		key:      subjects.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),

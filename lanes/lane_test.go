@@ -25,65 +25,66 @@ func TestMain(m *testing.M) {
 }
 
 func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
-	f := newFixture(t)
-	f.groups.set("dev-42", "group-a")
-	pool, _ := f.run(lanes.Config{}, nil)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		f.groups.set("dev-42", "group-a")
+		pool, _ := f.run(lanes.Config{}, nil)
 
-	hdr := nats.Header{}
-	hdr.Set("Nats-Expected-Stream", "INCOMING")
-	hdr.Set("Nats-Msg-Id", "device-own-id")
-	hdr.Set("X-Trace", "abc")
-	hdr.Add("X-Multi", "one")
-	hdr.Add("X-Multi", "two")
-	payload := []byte("\x00binary\xffpayload with spaces\n")
-	if _, err := f.js.PublishMsg(context.Background(), &nats.Msg{Subject: "incoming.dev-42.temp", Header: hdr, Data: payload}); err != nil {
-		t.Fatal(err)
-	}
-	m := f.read("OUTGOING", 1)[0]
-	if got, want := m.Subject(), "outgoing.group-a.dev-42.temp"; got != want {
-		t.Errorf("Subject()=%q, want %q", got, want)
-	}
-	if string(m.Data()) != string(payload) {
-		t.Errorf("Data()=%q, want %q", m.Data(), payload)
-	}
-	h := m.Headers()
-	p := subjects.Partition("dev-42", 16)
-	for k, want := range map[string][]string{
-		"X-Trace":               {"abc"},
-		"X-Multi":               {"one", "two"},
-		"Nats-Msg-Id":           {f.msgID(1)},
-		lanes.HeaderOrigMsgID:   {"device-own-id"},
-		lanes.HeaderPartition:   {strconv.Itoa(p)},
-		lanes.HeaderEpoch:       {strconv.Itoa(100 + p)},
-		lanes.HeaderRevision:    {"7"},
-		"Nats-Expected-Stream":  nil,
-		"Nats-Expected-Last-Sq": nil,
-	} {
-		if got := h.Values(k); !slices.Equal(got, want) {
-			t.Errorf("header %s = %q, want %q", k, got, want)
+		hdr := nats.Header{}
+		hdr.Set("Nats-Expected-Stream", f.stream("dev-42"))
+		hdr.Set("Nats-Msg-Id", "device-own-id")
+		hdr.Set("X-Trace", "abc")
+		hdr.Add("X-Multi", "one")
+		hdr.Add("X-Multi", "two")
+		payload := []byte("\x00binary\xffpayload with spaces\n")
+		if _, err := f.js.PublishMsg(context.Background(), &nats.Msg{Subject: "incoming.dev-42.temp", Header: hdr, Data: payload}); err != nil {
+			t.Fatal(err)
 		}
-	}
-	for k := range h {
-		if strings.HasPrefix(strings.ToLower(k), "nats-expected-") {
-			t.Errorf("header %s survived; Nats-Expected-* addressed INCOMING", k)
+		m := f.read("OUTGOING", 1)[0]
+		if got, want := m.Subject(), "outgoing.group-a.dev-42.temp"; got != want {
+			t.Errorf("Subject()=%q, want %q", got, want)
 		}
-	}
-	natstest.Eventually(t, 5*time.Second, func() error {
-		if got := f.checkpoint(p); got != 1 {
-			return fmt.Errorf("checkpoint.%d = %d, want 1", p, got)
+		if string(m.Data()) != string(payload) {
+			t.Errorf("Data()=%q, want %q", m.Data(), payload)
 		}
-		return nil
+		h := m.Headers()
+		p := subjects.Partition("dev-42", 16)
+		for k, want := range map[string][]string{
+			"X-Trace":               {"abc"},
+			"X-Multi":               {"one", "two"},
+			"Nats-Msg-Id":           {f.msgID("dev-42", 1)},
+			lanes.HeaderOrigMsgID:   {"device-own-id"},
+			lanes.HeaderPartition:   {strconv.Itoa(p)},
+			lanes.HeaderEpoch:       {strconv.Itoa(100 + p)},
+			lanes.HeaderRevision:    {"7"},
+			"Nats-Expected-Stream":  nil,
+			"Nats-Expected-Last-Sq": nil,
+		} {
+			if got := h.Values(k); !slices.Equal(got, want) {
+				t.Errorf("header %s = %q, want %q", k, got, want)
+			}
+		}
+		for k := range h {
+			if strings.HasPrefix(strings.ToLower(k), "nats-expected-") {
+				t.Errorf("header %s survived; Nats-Expected-* addressed INCOMING", k)
+			}
+		}
+		natstest.Eventually(t, 5*time.Second, func() error {
+			if got := f.checkpoint(p); got != 1 {
+				return fmt.Errorf("checkpoint.%d = %d, want 1", p, got)
+			}
+			return nil
+		})
+		if st := pool.Stats(); st.Mapped != 1 || st.Duplicates != 0 {
+			t.Errorf("Stats() = %+v, want 1 mapped, 0 duplicates", st)
+		}
+		parts := pool.Partitions()
+		if len(parts) != 16 {
+			t.Fatalf("Partitions() has %d lanes, want 16", len(parts))
+		}
+		if got := parts[p]; got.Partition != p || got.Acked != 1 || got.Checkpoint != 1 || got.Lag() != 0 || got.Epoch != uint64(100+p) {
+			t.Errorf("Partitions()[%d] = %+v, want acked and checkpointed 1, lag 0", p, got)
+		}
 	})
-	if st := pool.Stats(); st.Mapped != 1 || st.Duplicates != 0 {
-		t.Errorf("Stats() = %+v, want 1 mapped, 0 duplicates", st)
-	}
-	parts := pool.Partitions()
-	if len(parts) != 16 {
-		t.Fatalf("Partitions() has %d lanes, want 16", len(parts))
-	}
-	if got := parts[p]; got.Partition != p || got.Acked != 1 || got.Checkpoint != 1 || got.Lag() != 0 || got.Epoch != uint64(100+p) {
-		t.Errorf("Partitions()[%d] = %+v, want acked and checkpointed 1, lag 0", p, got)
-	}
 }
 
 func TestNoProvenance(t *testing.T) {
@@ -100,35 +101,35 @@ func TestNoProvenance(t *testing.T) {
 }
 
 func TestOrderAcrossManyDevices(t *testing.T) {
-	f := newFixture(t)
-	devs := devices(200)
-	for i, d := range devs {
-		f.groups.set(d, "g"+strconv.Itoa(i%5))
-	}
-	group := func(d string) string {
-		i, _ := strconv.Atoi(strings.TrimPrefix(d, "dev-"))
-		return "g" + strconv.Itoa(i%5)
-	}
-	// A small window makes lanes wait for room (TestInFlightBoundOnTheWire checks the bound).
-	pool, stop := f.run(lanes.Config{MaxInFlight: 64}, nil)
-	f.publish(devs, 100, nil)
-	checkOrder(t, f.read("OUTGOING", 20_000), devs, 100, func(d string) string { return "outgoing." + group(d) + "." + d + ".evt" })
-	for p, err := range stop() {
-		if err != nil {
-			t.Errorf("Run(partition %d) = %v, want nil", p, err)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := devices(200)
+		for i, d := range devs {
+			f.groups.set(d, "g"+strconv.Itoa(i%5))
 		}
-	}
-	if st := pool.Stats(); st.Mapped != 20_000 || st.Duplicates != 0 {
-		t.Errorf("Stats() = %+v, want 20000 mapped, 0 duplicates", st)
-	}
-	// The final checkpoints cover every message: a restart would resend nothing.
-	var total uint64
-	for p := 0; p < 16; p++ {
-		total = max(total, f.checkpoint(p))
-	}
-	if total != 20_000 {
-		t.Errorf("highest checkpoint = %d, want 20000", total)
-	}
+		group := func(d string) string {
+			i, _ := strconv.Atoi(strings.TrimPrefix(d, "dev-"))
+			return "g" + strconv.Itoa(i%5)
+		}
+		// A small window makes lanes wait for room (TestInFlightBoundOnTheWire checks the bound).
+		pool, stop := f.run(lanes.Config{MaxInFlight: 64}, nil)
+		f.publish(devs, 100, nil)
+		checkOrder(t, f.read("OUTGOING", 20_000), devs, 100, func(d string) string { return "outgoing." + group(d) + "." + d + ".evt" })
+		f.checkReaders()
+		for p, err := range stop() {
+			if err != nil {
+				t.Errorf("Run(partition %d) = %v, want nil", p, err)
+			}
+		}
+		if st := pool.Stats(); st.Mapped != 20_000 || st.Duplicates != 0 {
+			t.Errorf("Stats() = %+v, want 20000 mapped, 0 duplicates", st)
+		}
+		// The final checkpoints cover every message: a restart would resend nothing.
+		for p := range 16 {
+			if got, want := f.checkpoint(p), f.lastSeq(p); got != want {
+				t.Errorf("checkpoint.%d = %d, want %d, the partition's last sequence", p, got, want)
+			}
+		}
+	})
 }
 
 func TestUnmappedGoToDeadLetters(t *testing.T) {
@@ -183,160 +184,168 @@ func TestUnmappedGoToDeadLetters(t *testing.T) {
 }
 
 func TestMalformedSubjectIsDeadLettered(t *testing.T) {
-	f := newFixture(t)
-	f.groups.set("dev-1", "g")
-	ctx := context.Background()
-	s, err := f.js.Stream(ctx, "INCOMING")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := s.CachedInfo().Config
-	// A subject someone added to INCOMING by hand, stored untransformed under partition 7.
-	cfg.Subjects = append(cfg.Subjects, "incoming.7.too.many.tokens")
-	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
-	f.run(lanes.Config{}, nil)
-	if _, err := f.js.Publish(ctx, "incoming.7.too.many.tokens", []byte("odd")); err != nil {
-		t.Fatal(err)
-	}
-	f.publish([]string{"dev-1"}, 1, nil)
-	m := f.read("UNMAPPED", 1)[0]
-	if m.Subject() != f.lay.MalformedSubject() || string(m.Data()) != "odd" {
-		t.Errorf("dead letter %q %q, want %q \"odd\"", m.Subject(), m.Data(), f.lay.MalformedSubject())
-	}
-	if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonMalformedSubject {
-		t.Errorf("reason %q, want %q", got, lanes.ReasonMalformedSubject)
-	}
-	if got := m.Headers().Get(lanes.HeaderSubject); got != "incoming.7.too.many.tokens" {
-		t.Errorf("%s = %q", lanes.HeaderSubject, got)
-	}
-	if m.Headers().Get(lanes.HeaderError) == "" {
-		t.Errorf("no %s header saying what is wrong", lanes.HeaderError)
-	}
-	f.read("OUTGOING", 1)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		f.groups.set("dev-1", "g")
+		ctx := context.Background()
+		if f.names.StreamLayout == subjects.SingleStream {
+			s, err := f.js.Stream(ctx, "INCOMING")
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := s.CachedInfo().Config
+			// A subject someone added to INCOMING by hand, stored untransformed under partition 7.
+			// (INCOMING-7 of the partition-streams layout captures it as it is.)
+			cfg.Subjects = append(cfg.Subjects, "incoming.7.too.many.tokens")
+			if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		f.run(lanes.Config{}, nil)
+		if _, err := f.js.Publish(ctx, "incoming.7.too.many.tokens", []byte("odd")); err != nil {
+			t.Fatal(err)
+		}
+		f.publish([]string{"dev-1"}, 1, nil)
+		m := f.read("UNMAPPED", 1)[0]
+		if m.Subject() != f.lay.MalformedSubject() || string(m.Data()) != "odd" {
+			t.Errorf("dead letter %q %q, want %q \"odd\"", m.Subject(), m.Data(), f.lay.MalformedSubject())
+		}
+		if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonMalformedSubject {
+			t.Errorf("reason %q, want %q", got, lanes.ReasonMalformedSubject)
+		}
+		if got := m.Headers().Get(lanes.HeaderSubject); got != "incoming.7.too.many.tokens" {
+			t.Errorf("%s = %q", lanes.HeaderSubject, got)
+		}
+		if m.Headers().Get(lanes.HeaderError) == "" {
+			t.Errorf("no %s header saying what is wrong", lanes.HeaderError)
+		}
+		f.read("OUTGOING", 1)
+	})
 }
 
 func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
-	f := newFixture(t)
-	f.groups.set("dev-1", "g")
-	ctx := context.Background()
-	s, err := f.js.Stream(ctx, "OUTGOING")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := s.CachedInfo().Config
-	cfg.MaxMsgSize = 512
-	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
-	pool, _ := f.run(lanes.Config{}, nil)
-	for i, size := range []int{10, 2000, 10} {
-		data := []byte(fmt.Sprintf("dev-1:%d:%s", i, strings.Repeat("x", size)))
-		if _, err := f.js.Publish(ctx, "incoming.dev-1.evt", data); err != nil {
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		f.groups.set("dev-1", "g")
+		ctx := context.Background()
+		s, err := f.js.Stream(ctx, "OUTGOING")
+		if err != nil {
 			t.Fatal(err)
 		}
-	}
-	out := f.read("OUTGOING", 2)
-	for i, want := range []string{"dev-1:0:", "dev-1:2:"} {
-		if !strings.HasPrefix(string(out[i].Data()), want) {
-			t.Errorf("OUTGOING[%d] = %.20q…, want prefix %q", i, out[i].Data(), want)
+		cfg := s.CachedInfo().Config
+		cfg.MaxMsgSize = 512
+		if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
 		}
-	}
-	dl := f.read("UNMAPPED", 1)[0]
-	h := dl.Headers()
-	if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID(2) || h.Get(lanes.HeaderError) == "" {
-		t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id %s and the server's error", h, f.msgID(2))
-	}
-	if dl.Subject() != "unmapped.dev-1.evt" {
-		t.Errorf("dead letter subject %q", dl.Subject())
-	}
-	if st := pool.Stats(); st.Unmapped[lanes.ReasonOversized] != 1 {
-		t.Errorf("Stats().Unmapped = %v, want 1 oversized", st.Unmapped)
-	}
+		pool, _ := f.run(lanes.Config{}, nil)
+		for i, size := range []int{10, 2000, 10} {
+			data := []byte(fmt.Sprintf("dev-1:%d:%s", i, strings.Repeat("x", size)))
+			if _, err := f.js.Publish(ctx, "incoming.dev-1.evt", data); err != nil {
+				t.Fatal(err)
+			}
+		}
+		out := f.read("OUTGOING", 2)
+		for i, want := range []string{"dev-1:0:", "dev-1:2:"} {
+			if !strings.HasPrefix(string(out[i].Data()), want) {
+				t.Errorf("OUTGOING[%d] = %.20q…, want prefix %q", i, out[i].Data(), want)
+			}
+		}
+		dl := f.read("UNMAPPED", 1)[0]
+		h := dl.Headers()
+		if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID("dev-1", 2) || h.Get(lanes.HeaderError) == "" {
+			t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id %s and the server's error", h, f.msgID("dev-1", 2))
+		}
+		if dl.Subject() != "unmapped.dev-1.evt" {
+			t.Errorf("dead letter subject %q", dl.Subject())
+		}
+		if st := pool.Stats(); st.Unmapped[lanes.ReasonOversized] != 1 {
+			t.Errorf("Stats().Unmapped = %v, want 1 oversized", st.Unmapped)
+		}
+	})
 }
 
 func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
-	f := newFixture(t)
-	devs := devices(50)
-	for _, d := range devs {
-		f.groups.set(d, "g")
-	}
-	pool1, stop1 := f.run(lanes.Config{}, nil)
-	f.publish(devs, 40, nil)
-	f.read("OUTGOING", 1000) // some progress, not necessarily all
-	for p, err := range stop1() {
-		if err != nil {
-			t.Fatalf("Run(%d) = %v", p, err)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := devices(50)
+		for _, d := range devs {
+			f.groups.set(d, "g")
 		}
-	}
-	f.publishFrom(devs, 40, 40, nil)
-	pool2, _ := f.run(lanes.Config{}, nil)
-	checkOrder(t, f.read("OUTGOING", 4000), devs, 80, func(d string) string { return "outgoing.g." + d + ".evt" })
-	if d1, d2 := pool1.Stats().Duplicates, pool2.Stats().Duplicates; d1+d2 != 0 {
-		t.Errorf("duplicates sent: %d then %d, want none: the graceful stop checkpoints everything acknowledged", d1, d2)
-	}
-	if got := pool1.Stats().Mapped + pool2.Stats().Mapped; got != 4000 {
-		t.Errorf("mapped %d in all, want 4000", got)
-	}
+		pool1, stop1 := f.run(lanes.Config{}, nil)
+		f.publish(devs, 40, nil)
+		f.read("OUTGOING", 1000) // some progress, not necessarily all
+		for p, err := range stop1() {
+			if err != nil {
+				t.Fatalf("Run(%d) = %v", p, err)
+			}
+		}
+		f.publishFrom(devs, 40, 40, nil)
+		pool2, _ := f.run(lanes.Config{}, nil)
+		checkOrder(t, f.read("OUTGOING", 4000), devs, 80, func(d string) string { return "outgoing.g." + d + ".evt" })
+		if d1, d2 := pool1.Stats().Duplicates, pool2.Stats().Duplicates; d1+d2 != 0 {
+			t.Errorf("duplicates sent: %d then %d, want none: the graceful stop checkpoints everything acknowledged", d1, d2)
+		}
+		if got := pool1.Stats().Mapped + pool2.Stats().Mapped; got != 4000 {
+			t.Errorf("mapped %d in all, want 4000", got)
+		}
+	})
 }
 
 // A message resent for a partition (a takeover from an old checkpoint, here a lost one) is
 // acknowledged by OUTGOING as a duplicate, and counted as one.
 func TestResentMessagesCountAsDuplicates(t *testing.T) {
-	f := newFixture(t)
-	dev := "dev-1"
-	p := subjects.Partition(dev, 16)
-	f.groups.set(dev, "g")
-	pool1, stop1 := f.run(lanes.Config{}, nil)
-	f.publish([]string{dev}, 5, nil)
-	f.read("OUTGOING", 5)
-	stop1()
-	if st := pool1.Stats(); st.Mapped != 5 || st.Duplicates != 0 {
-		t.Fatalf("first run: Stats() = %+v, want 5 mapped", st)
-	}
-	if err := f.ctl.Delete(context.Background(), subjects.CheckpointKey(p)); err != nil {
-		t.Fatal(err)
-	}
-	pool2, _ := f.run(lanes.Config{}, nil)
-	natstest.Eventually(t, 10*time.Second, func() error {
-		if st := pool2.Stats(); st.Duplicates+st.Mapped != 5 {
-			return fmt.Errorf("second run: Stats() = %+v, want 5 acknowledged", st)
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		dev := "dev-1"
+		p := subjects.Partition(dev, 16)
+		f.groups.set(dev, "g")
+		pool1, stop1 := f.run(lanes.Config{}, nil)
+		f.publish([]string{dev}, 5, nil)
+		f.read("OUTGOING", 5)
+		stop1()
+		if st := pool1.Stats(); st.Mapped != 5 || st.Duplicates != 0 {
+			t.Fatalf("first run: Stats() = %+v, want 5 mapped", st)
 		}
-		return nil
+		if err := f.ctl.Delete(context.Background(), subjects.CheckpointKey(p)); err != nil {
+			t.Fatal(err)
+		}
+		pool2, _ := f.run(lanes.Config{}, nil)
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if st := pool2.Stats(); st.Duplicates+st.Mapped != 5 {
+				return fmt.Errorf("second run: Stats() = %+v, want 5 acknowledged", st)
+			}
+			return nil
+		})
+		if st := pool2.Stats(); st.Duplicates != 5 {
+			t.Errorf("second run: Stats() = %+v, want 5 duplicates", st)
+		}
+		checkOrder(t, f.read("OUTGOING", 5), []string{dev}, 5, func(string) string { return "outgoing.g.dev-1.evt" })
 	})
-	if st := pool2.Stats(); st.Duplicates != 5 {
-		t.Errorf("second run: Stats() = %+v, want 5 duplicates", st)
-	}
-	checkOrder(t, f.read("OUTGOING", 5), []string{dev}, 5, func(string) string { return "outgoing.g.dev-1.evt" })
 }
 
 func TestServerRestartKeepsOrder(t *testing.T) {
-	f := newFixture(t)
-	devs := devices(100)
-	for _, d := range devs {
-		f.groups.set(d, "g")
-	}
-	f.publish(devs, 150, nil)
-	pool, _ := f.run(lanes.Config{}, nil)
-	f.read("OUTGOING", 500) // mid-stream: thousands still to map
-	f.srv = f.srv.Restart()
-	natstest.Eventually(t, 10*time.Second, func() error {
-		if !f.nc.IsConnected() {
-			return errors.New("test connection not reconnected")
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := devices(100)
+		for _, d := range devs {
+			f.groups.set(d, "g")
 		}
-		return nil
+		f.publish(devs, 150, nil)
+		pool, _ := f.run(lanes.Config{}, nil)
+		f.read("OUTGOING", 500) // mid-stream: thousands still to map
+		f.restart()
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if !f.nc.IsConnected() {
+				return errors.New("test connection not reconnected")
+			}
+			return nil
+		})
+		f.publishFrom(devs, 150, 50, nil)
+		// Generous: on a loaded 2-core machine a restart can make acknowledgements time out and
+		// the lanes resend their whole window, which is slow but must not lose or reorder anything.
+		f.waitOrDump(pool, "OUTGOING", 20_000, 3*time.Minute)
+		checkOrder(t, f.read("OUTGOING", 20_000), devs, 200, func(d string) string { return "outgoing.g." + d + ".evt" })
+		st := pool.Stats()
+		t.Logf("after a server restart: %+v", st)
+		if st.Failures == 0 {
+			t.Errorf("Stats() = %+v: the restart hit no publish in flight, so this test proved nothing", st)
+		}
 	})
-	f.publishFrom(devs, 150, 50, nil)
-	// Generous: on a loaded 2-core machine a restart can make acknowledgements time out and
-	// the lanes resend their whole window, which is slow but must not lose or reorder anything.
-	f.waitOrDump(pool, "OUTGOING", 20_000, 3*time.Minute)
-	checkOrder(t, f.read("OUTGOING", 20_000), devs, 200, func(d string) string { return "outgoing.g." + d + ".evt" })
-	st := pool.Stats()
-	t.Logf("after a server restart: %+v", st)
-	if st.Failures == 0 {
-		t.Errorf("Stats() = %+v: the restart hit no publish in flight, so this test proved nothing", st)
-	}
 }
 
 func TestOutgoingDeletedPausesAndResumes(t *testing.T) {
@@ -368,6 +377,7 @@ func TestInvalidConfig(t *testing.T) {
 		"window too large":                 {Layout: f.lay, MaxInFlight: 100_000},
 		"window below the partition count": {Layout: f.lay, MaxInFlight: 15},
 		"negative bytes":                   {Layout: f.lay, MaxInFlightBytes: -1},
+		"unknown stream layout":            {Layout: f.lay, StreamLayout: "sharded"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if _, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg); !errors.Is(err, lanes.ErrInvalidConfig) {

@@ -35,8 +35,14 @@ type Assignment struct {
 type Config struct {
 	// Layout gives the subject templates and the partition count. Required.
 	Layout *subjects.Layout
-	// Incoming is the INCOMING stream's name, also the prefix of every Nats-Msg-Id. Default "INCOMING".
+	// Incoming is the INCOMING stream's name, also the prefix of every Nats-Msg-Id. Default
+	// "INCOMING". With the PartitionStreams layout it names the partition streams, INCOMING-<p>,
+	// and each partition's Nats-Msg-Ids start with its stream's name.
 	Incoming string
+	// StreamLayout says how INCOMING is stored. With subjects.SingleStream (the default) a lane
+	// reads INCOMING filtered on its partition; with subjects.PartitionStreams it reads its
+	// partition's stream, INCOMING-<p>, unfiltered.
+	StreamLayout subjects.StreamLayout
 	// MaxInFlight bounds the unacknowledged publishes of all lanes of the pool together (I5).
 	// Each partition is guaranteed a quarter of an even split of it, which no other lane can
 	// take; the rest goes to the lanes that have work (see [Pool]). Default 4096, far below the
@@ -90,6 +96,11 @@ func (c *Config) setDefaults() error {
 	if c.Incoming == "" {
 		c.Incoming = subjects.DefaultNames.Incoming
 	}
+	sl, err := subjects.ParseStreamLayout(string(c.StreamLayout))
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	c.StreamLayout = sl
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = 4096
 	}
@@ -180,9 +191,8 @@ type Pool struct {
 	lanesMu sync.Mutex
 	lanes   map[*lane]struct{}
 
-	incMu sync.Mutex // serialises the reads of INCOMING's incarnation; guards incAt and inc
-	incAt time.Time
-	inc   string
+	incMu sync.Mutex // serialises the reads of the incarnations; guards incs
+	incs  map[string]incarnation
 
 	warns ratelog.Limiter // one line a second per kind of problem
 }
@@ -210,6 +220,7 @@ func New(js jetstream.JetStream, ctl jetstream.KeyValue, lookup LookupFunc, cfg 
 		pullBytes: max(cfg.PullMaxBytes, int(nc.MaxPayload())+8<<10),
 		unmapped:  make(map[string]uint64),
 		lanes:     make(map[*lane]struct{}),
+		incs:      make(map[string]incarnation),
 	}, nil
 }
 

@@ -15,10 +15,11 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// read consumes the lane's partition from INCOMING in stream order, starting at sequence next,
-// and hands each message to out until ctx is done. The ordered consumer recreates itself on
-// reconnects, gaps and a deleted consumer; read recreates it from the last sequence it handed on
-// when the consumer gives up for any other reason (the stream was deleted, say).
+// read consumes the lane's partition from its stream (INCOMING filtered, or INCOMING-<p>) in
+// stream order, starting at sequence next, and hands each message to out until ctx is done. The
+// ordered consumer recreates itself on reconnects, gaps and a deleted consumer; read recreates it
+// from the last sequence it handed on when the consumer gives up for any other reason (the
+// stream was deleted, say).
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
 	for ctx.Err() == nil {
@@ -35,7 +36,7 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		}
 		l.p.warn("consume", func(e *zerolog.Event) {
 			e.Int("partition", l.a.Partition).Err(err).Uint64("next", next).
-				Msg("consuming INCOMING failed; retrying (check that the INCOMING stream exists: kvmapper setup)")
+				Str("stream", l.stream).Msg("consuming INCOMING failed; retrying (check that the stream exists: kvmapper setup)")
 		})
 		t := time.NewTimer(backoff)
 		select {
@@ -49,11 +50,15 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 }
 
 func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
-	cons, err := l.p.js.OrderedConsumer(ctx, l.p.cfg.Incoming, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{l.p.cfg.Layout.Filter(l.a.Partition)},
-		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:    *next,
-	})
+	occ := jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:   *next,
+	}
+	if l.filter != "" {
+		// One filter subject: a filtered read walks the stream, and more filters cost more.
+		occ.FilterSubjects = []string{l.filter}
+	}
+	cons, err := l.p.js.OrderedConsumer(ctx, l.stream, occ)
 	if err != nil {
 		return err
 	}
@@ -106,15 +111,15 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 	}
 }
 
-// checkIncarnation returns [ErrIncomingRecreated] when INCOMING is no longer the stream the lane
-// fenced its checkpoint in.
+// checkIncarnation returns [ErrIncomingRecreated] when the lane's stream is no longer the one the
+// lane fenced its checkpoint in.
 func (l *lane) checkIncarnation(ctx context.Context) error {
-	inc, _, err := l.p.incoming(ctx)
+	inc, _, err := l.p.incoming(ctx, l.stream)
 	if err != nil {
 		return err
 	}
 	if inc != l.inc {
-		return fmt.Errorf("%w: partition %d was reading incarnation %s, INCOMING is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, inc)
+		return fmt.Errorf("%w: partition %d was reading incarnation %s, %s is now %s", ErrIncomingRecreated, l.a.Partition, l.inc, l.stream, inc)
 	}
 	return nil
 }

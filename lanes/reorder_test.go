@@ -187,7 +187,7 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 		t.Fatal(err)
 	}
 	relay := f.srv.Connect(t)
-	firstID := f.msgID(1)
+	firstID := f.msgID(dev, 1)
 	held := make(chan *nats.Msg, 1) // the late acknowledgement, addressed to the lane
 	var once sync.Once
 	if _, err := relay.Subscribe("outgoing.>", func(m *nats.Msg) {

@@ -127,53 +127,54 @@ func TestStuckPartitionDoesNotStallOthers(t *testing.T) {
 		"bytes": {cfg: lanes.Config{MaxInFlightBytes: 640 << 10}, stuckPad: 1 << 10, othersPad: 12 << 10},
 	} {
 		t.Run(name, func(t *testing.T) {
-			f := newFixture(t)
-			ctx := context.Background()
-			s, err := f.js.Stream(ctx, "OUTGOING")
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg := s.CachedInfo().Config
-			cfg.Subjects = []string{"outgoing.g.>"}
-			if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
-				t.Fatal(err)
-			}
-			f.swallow("outgoing.stuck.>")
-			stuckP := subjects.Partition("dev-000", 16)
-			var stuck, others []string
-			for _, d := range devices(200) {
-				if subjects.Partition(d, 16) == stuckP {
-					stuck = append(stuck, d)
-					f.groups.set(d, "stuck")
-				} else {
-					others = append(others, d)
-					f.groups.set(d, "g")
+			eachLayout(t, func(t *testing.T, f *fixture) {
+				ctx := context.Background()
+				s, err := f.js.Stream(ctx, "OUTGOING")
+				if err != nil {
+					t.Fatal(err)
 				}
-			}
-			tc.cfg.PublishTimeout, tc.cfg.DrainTimeout = 500*time.Millisecond, 500*time.Millisecond
-			pool, _ := f.run(tc.cfg, nil)
-			// The stuck partition first, alone: it takes what it may, and its publishes time out.
-			f.publish(stuck, 100, pad(tc.stuckPad))
-			natstest.Eventually(t, 20*time.Second, func() error {
-				if pool.Stats().Failures == 0 {
-					return errors.New("the stuck partition's publishes have not timed out yet")
+				cfg := s.CachedInfo().Config
+				cfg.Subjects = []string{"outgoing.g.>"}
+				if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+					t.Fatal(err)
 				}
-				return nil
+				f.swallow("outgoing.stuck.>")
+				stuckP := subjects.Partition("dev-000", 16)
+				var stuck, others []string
+				for _, d := range devices(200) {
+					if subjects.Partition(d, 16) == stuckP {
+						stuck = append(stuck, d)
+						f.groups.set(d, "stuck")
+					} else {
+						others = append(others, d)
+						f.groups.set(d, "g")
+					}
+				}
+				tc.cfg.PublishTimeout, tc.cfg.DrainTimeout = 500*time.Millisecond, 500*time.Millisecond
+				pool, _ := f.run(tc.cfg, nil)
+				// The stuck partition first, alone: it takes what it may, and its publishes time out.
+				f.publish(stuck, 100, pad(tc.stuckPad))
+				natstest.Eventually(t, 20*time.Second, func() error {
+					if pool.Stats().Failures == 0 {
+						return errors.New("the stuck partition's publishes have not timed out yet")
+					}
+					return nil
+				})
+				held := pool.Partitions()[stuckP].InFlight
+				t.Logf("the stuck lane holds %d messages; Stats() = %+v", held, pool.Stats())
+				// Then the others: all their messages go through, in order, while it holds on.
+				const n = 10
+				f.publish(others, n, pad(tc.othersPad))
+				f.waitOrDump(pool, "OUTGOING", uint64(n*len(others)), 60*time.Second)
+				checkOrder(t, f.read("OUTGOING", n*len(others)), others, n, func(d string) string { return "outgoing.g." + d + ".evt" })
+				if now := pool.Partitions()[stuckP].InFlight; now > held {
+					t.Errorf("the stuck lane holds %d in flight, more than the %d it held alone", now, held)
+				}
+				// Alone, it got more than an even share (window/16), but not the others' guarantees.
+				if w := tc.cfg.MaxInFlight; tc.checkShare && (held <= w/2 || held >= w) {
+					t.Errorf("the stuck lane held %d of %d in flight, want more than half and less than all", held, w)
+				}
 			})
-			held := pool.Partitions()[stuckP].InFlight
-			t.Logf("the stuck lane holds %d messages; Stats() = %+v", held, pool.Stats())
-			// Then the others: all their messages go through, in order, while it holds on.
-			const n = 10
-			f.publish(others, n, pad(tc.othersPad))
-			f.waitOrDump(pool, "OUTGOING", uint64(n*len(others)), 60*time.Second)
-			checkOrder(t, f.read("OUTGOING", n*len(others)), others, n, func(d string) string { return "outgoing.g." + d + ".evt" })
-			if now := pool.Partitions()[stuckP].InFlight; now > held {
-				t.Errorf("the stuck lane holds %d in flight, more than the %d it held alone", now, held)
-			}
-			// Alone, it got more than an even share (window/16), but not the others' guarantees.
-			if w := tc.cfg.MaxInFlight; tc.checkShare && (held <= w/2 || held >= w) {
-				t.Errorf("the stuck lane held %d of %d in flight, want more than half and less than all", held, w)
-			}
 		})
 	}
 }

@@ -37,7 +37,7 @@ type Config struct {
 	// Table tunes the groups table; its Logger is set from Logger and OnUpdate is chained
 	// after the replica's own.
 	Table    kv.Config
-	Lanes    lanes.Config    // Layout and Incoming are required; Logger is set from Logger
+	Lanes    lanes.Config    // Layout is required; Incoming, StreamLayout and Logger are set from Setup and Logger
 	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
@@ -118,6 +118,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	}
 	lcfg := cfg.Lanes
 	lcfg.Logger = log.With().Str("component", "lanes").Logger()
+	// The lanes read the streams setup made: one place says what they are.
+	names := cfg.Setup.Names.WithDefaults()
+	lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
 	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {

@@ -1,6 +1,8 @@
 // Package setup creates or verifies the streams and buckets kvmapper runs on: INCOMING with the
-// partitioning subject transform, OUTGOING with a duplicate window above the worst takeover,
-// UNMAPPED for dead letters, the groups bucket and the control bucket with limit markers. It
-// never changes an existing stream or bucket: where one differs from what kvmapper needs it
-// returns an error naming the difference and the fix. It leaves running to the other packages.
+// partitioning subject transform (or, in the streams layout, one stream per partition, after
+// probing that the server's account mapping fills them), OUTGOING with a duplicate window above
+// the worst takeover, UNMAPPED for dead letters, the groups bucket and the control bucket with
+// limit markers. It never changes an existing stream or bucket: where one differs from what
+// kvmapper needs it returns an error naming the difference and the fix. It leaves running to the
+// other packages.
 package setup

@@ -28,7 +28,9 @@ const MinDuplicateWindow = 2 * time.Minute
 // Config names what [Ensure] creates or verifies. Zero fields mean the defaults given.
 type Config struct {
 	Layout *subjects.Layout // required
-	// Names are the streams and buckets; empty ones get subjects.DefaultNames.
+	// Names are the streams and buckets, and how INCOMING is stored: one stream with a subject
+	// transform, or one stream per partition filled by an account mapping that [Ensure] probes
+	// for; empty ones get subjects.DefaultNames.
 	subjects.Names
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
@@ -87,6 +89,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 }
 
 func ensureIncoming(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	if cfg.StreamLayout == subjects.PartitionStreams {
+		return ensurePartitionStreams(ctx, js, cfg)
+	}
 	lay := cfg.Layout
 	want := jetstream.StreamConfig{
 		Name:        cfg.Incoming,
@@ -102,6 +107,10 @@ func ensureIncoming(ctx context.Context, js jetstream.JetStream, cfg Config) (st
 	}
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
+		if _, perr := js.Stream(ctx, cfg.PartitionStream(0)); perr == nil {
+			return "", fmt.Errorf("%w: the partition streams of the streams layout (%s …) exist and overlap %s: run with --layout streams, or remove them (`nats stream rm`) once mapped: %w",
+				ErrMismatch, cfg.PartitionStream(0), cfg.Incoming, err)
+		}
 		return "", err
 	}
 	if created {

@@ -20,8 +20,8 @@ import (
 type ReadConfig struct {
 	// Layout gives the partition count and INCOMING's per-partition filter. Required.
 	Layout *subjects.Layout
-	// Names are the stream and buckets read (Incoming, Groups, Control); empty ones get
-	// subjects.DefaultNames.
+	// Names are the streams and buckets read (Incoming with its stream layout, Groups,
+	// Control); empty ones get subjects.DefaultNames.
 	subjects.Names
 	// Timeout bounds the wait for the replicas' status replies. Default 1s.
 	Timeout time.Duration
@@ -47,7 +47,7 @@ func (c *ReadConfig) setDefaults() error {
 // Read assembles a snapshot from NATS alone, so it works from any machine that can reach the
 // servers. It reads the control bucket (leases, members, checkpoints), asks every member for its
 // [Report] on [StatusSubject] at once (waiting up to Timeout), and reads the state of INCOMING
-// and the groups bucket. A partition's lag comes from its owner's report; for a partition whose
+// (or of every partition stream) and the groups bucket. A partition's lag comes from its owner's report; for a partition whose
 // owner did not report (or that has none) it is counted in INCOMING after its checkpoint, by
 // creating an ephemeral consumer filtered on the partition that starts after the checkpoint and
 // reading its pending count (one consumer create and delete per such partition; the server
@@ -77,19 +77,13 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	var wg sync.WaitGroup
 	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
 	defer wg.Wait()
-	stream, err := js.Stream(ctx, cfg.Incoming)
+	streams, err := readIncoming(ctx, js, cfg, snap)
 	if err != nil {
-		return nil, fmt.Errorf("status: opening stream %s: %w", cfg.Incoming, err)
+		return nil, err
 	}
-	si, err := stream.Info(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("status: reading stream %s: %w", cfg.Incoming, err)
-	}
-	snap.Incoming = Stream{Name: cfg.Incoming, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
-		Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
 	for i := range snap.Partitions {
 		p := &snap.Partitions[i]
-		p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.Incoming.Incarnation
+		p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.streamOf(p.Partition).Incarnation
 	}
 	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
 		return nil, err
@@ -128,7 +122,7 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 		}
 	}
 	if !cfg.NoStreamLag {
-		if err := streamLag(ctx, stream, cfg.Layout, snap); err != nil {
+		if err := streamLag(ctx, streams, cfg, snap); err != nil {
 			return nil, err
 		}
 	}
@@ -217,6 +211,48 @@ func ask(ctx context.Context, nc *nats.Conn, cfg ReadConfig, members []string) m
 	return out
 }
 
+// readIncoming reads the state of every stream holding INCOMING messages into snap and returns
+// them, in partition order.
+func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, snap *Snapshot) ([]jetstream.Stream, error) {
+	snap.StreamLayout = string(cfg.StreamLayout)
+	var streams []jetstream.Stream
+	var states []Stream
+	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
+		s, err := js.Stream(ctx, name)
+		if err != nil {
+			return nil, fmt.Errorf("status: opening stream %s: %w", name, err)
+		}
+		si, err := s.Info(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("status: reading stream %s: %w", name, err)
+		}
+		st := Stream{Name: name, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
+			Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
+		if si.Cluster != nil {
+			st.Leader = si.Cluster.Leader
+		}
+		streams, states = append(streams, s), append(states, st)
+	}
+	if cfg.StreamLayout != subjects.PartitionStreams {
+		snap.Incoming = states[0]
+		return streams, nil
+	}
+	snap.Streams = states
+	snap.Incoming = Stream{Name: cfg.Incoming + "-<p>"}
+	for _, st := range states {
+		snap.Incoming.Messages += st.Messages
+	}
+	return streams, nil
+}
+
+// streamOf returns the stream holding partition p: INCOMING, or its partition stream.
+func (s *Snapshot) streamOf(p int) *Stream {
+	if len(s.Streams) > p {
+		return &s.Streams[p]
+	}
+	return &s.Incoming
+}
+
 func readGroups(ctx context.Context, js jetstream.JetStream, bucket string) (Groups, error) {
 	g := Groups{Bucket: bucket}
 	kv, err := js.KeyValue(ctx, bucket)
@@ -235,8 +271,9 @@ func readGroups(ctx context.Context, js jetstream.JetStream, bucket string) (Gro
 }
 
 // streamLag counts, for each partition without a lag from its owner, the messages of the
-// partition in INCOMING after its checkpoint.
-func streamLag(ctx context.Context, stream jetstream.Stream, lay *subjects.Layout, snap *Snapshot) error {
+// partition in its stream after its checkpoint. streams are the streams holding INCOMING
+// messages, in partition order (one in the single-stream layout).
+func streamLag(ctx context.Context, streams []jetstream.Stream, cfg ReadConfig, snap *Snapshot) error {
 	for i := range snap.Partitions {
 		p := &snap.Partitions[i]
 		if p.LagFrom != "" {
@@ -246,20 +283,24 @@ func streamLag(ctx context.Context, stream jetstream.Stream, lay *subjects.Layou
 		if p.StaleCheckpoint {
 			from = 0 // its next owner starts from the new stream's first message
 		}
-		if from >= snap.Incoming.LastSeq {
+		st := snap.streamOf(p.Partition)
+		if from >= st.LastSeq {
 			p.Lag, p.LagFrom = 0, "stream"
 			continue
 		}
-		n, err := pendingAfter(ctx, stream, lay.Filter(p.Partition), from)
+		stream := streams[min(p.Partition, len(streams)-1)]
+		_, filter := cfg.IncomingStream(cfg.Layout, p.Partition)
+		n, err := pendingAfter(ctx, stream, filter, from)
 		if err != nil {
-			return fmt.Errorf("status: counting partition %d in %s: %w", p.Partition, snap.Incoming.Name, err)
+			return fmt.Errorf("status: counting partition %d in %s: %w", p.Partition, st.Name, err)
 		}
 		p.Lag, p.LagFrom = n, "stream"
 	}
 	return nil
 }
 
-// pendingAfter returns how many messages on filter the stream holds after sequence seq.
+// pendingAfter returns how many messages on filter ("" for all) the stream holds after
+// sequence seq.
 func pendingAfter(ctx context.Context, stream jetstream.Stream, filter string, seq uint64) (uint64, error) {
 	c, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
 		Description:       "kvmapper status: lag count",

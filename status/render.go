@@ -9,8 +9,9 @@ import (
 	"time"
 )
 
-// WriteText writes the snapshot as three aligned tables: partitions, replicas and the groups
-// bucket with INCOMING. Unknown values show as "-".
+// WriteText writes the snapshot as aligned tables: partitions, replicas, then the groups bucket
+// with INCOMING, and in the partition-streams layout a table of the partition streams. Unknown
+// values show as "-".
 func (s *Snapshot) WriteText(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCHECKPOINT\tLAG\tRATE/S\t")
@@ -68,14 +69,35 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 			stale = append(stale, strconv.Itoa(p.Partition))
 		}
 	}
-	if len(stale) > 0 {
+	switch {
+	case len(stale) > 0 && len(s.Streams) > 0:
+		fmt.Fprintf(w, "partitions %s: checkpoint of an earlier %s (their streams were deleted and created again); "+
+			"their owners start them from the new stream's first message\n", strings.Join(stale, ", "), s.Incoming.Name)
+	case len(stale) > 0:
 		fmt.Fprintf(w, "partitions %s: checkpoint of an earlier %s (the stream was deleted and created again at %s); "+
 			"their owners start them from the new stream's first message\n",
 			strings.Join(stale, ", "), s.Incoming.Name, s.Incoming.Created.UTC().Format(time.RFC3339))
 	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
-	_, err := fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
-	return err
+	if len(s.Streams) == 0 {
+		_, err := fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
+		return err
+	}
+	fmt.Fprintf(w, "partition streams %s: %d messages in all\n\n", s.Incoming.Name, s.Incoming.Messages)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STREAM\tMESSAGES\tSEQUENCES\tLEADER\t")
+	for _, st := range s.Streams {
+		seqs := "-"
+		if st.Messages > 0 {
+			seqs = fmt.Sprintf("%d..%d", st.FirstSeq, st.LastSeq)
+		}
+		leader := st.Leader
+		if leader == "" {
+			leader = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t\n", st.Name, st.Messages, seqs, leader)
+	}
+	return tw.Flush()
 }
 
 func orDash(v uint64) string {

@@ -8,7 +8,14 @@ type Snapshot struct {
 	Partitions []Partition `json:"partitions"`
 	Replicas   []Replica   `json:"replicas"`
 	Groups     Groups      `json:"groups"`
-	Incoming   Stream      `json:"incoming"`
+	// Incoming describes INCOMING in the single-stream layout. In the partition-streams layout
+	// it sums up the partition streams (Name "<INCOMING>-<p>", Messages their total, no
+	// sequences), and Streams describes each.
+	Incoming Stream `json:"incoming"`
+	// StreamLayout is how INCOMING is stored: "single" or "streams".
+	StreamLayout string `json:"stream_layout"`
+	// Streams are the partition streams in partition order; empty in the single-stream layout.
+	Streams []Stream `json:"streams,omitempty"`
 }
 
 // Partition is one partition's owner and progress.
@@ -22,8 +29,9 @@ type Partition struct {
 	LeaseRevision uint64 `json:"lease_revision"`
 	// Checkpoint is checkpoint.<p>: the INCOMING sequence the partition has been republished up to.
 	Checkpoint uint64 `json:"checkpoint"`
-	// CheckpointIncarnation is the incarnation of INCOMING the checkpoint was written in ("" for
-	// a checkpoint written before checkpoints named it, taken as the current one's).
+	// CheckpointIncarnation is the incarnation of INCOMING (or of the partition's stream) the
+	// checkpoint was written in ("" for a checkpoint written before checkpoints named it, taken
+	// as the current one's).
 	CheckpointIncarnation string `json:"checkpoint_incarnation,omitempty"`
 	// StaleCheckpoint is true when the checkpoint belongs to an earlier INCOMING, deleted and
 	// created again since: Checkpoint is then a position in the old stream, and the partition's
@@ -63,12 +71,14 @@ type Groups struct {
 	Revision uint64 `json:"revision"`
 }
 
-// Stream describes INCOMING.
+// Stream describes INCOMING, or one partition stream.
 type Stream struct {
 	Name     string `json:"name"`
 	Messages uint64 `json:"messages"`
 	FirstSeq uint64 `json:"first_seq"`
 	LastSeq  uint64 `json:"last_seq"`
+	// Leader is the server that leads the stream on a cluster; "" on a single server.
+	Leader string `json:"leader,omitempty"`
 	// Created is when the stream was created; Incarnation names that life of it, as checkpoints
 	// and Nats-Msg-Ids do.
 	Created     time.Time `json:"created"`

@@ -39,14 +39,25 @@ type env struct {
 	js  jetstream.JetStream
 	ctl jetstream.KeyValue
 	grp jetstream.KeyValue
+	// names say how INCOMING is stored.
+	names subjects.Names
 }
 
-func newEnv(t testing.TB) *env {
+func newEnv(t testing.TB) *env { return newEnvIn(t, subjects.SingleStream) }
+
+// newEnvIn is newEnv in the stream layout sl; for the partition streams, the server maps the
+// device subjects into them.
+func newEnvIn(t testing.TB, sl subjects.StreamLayout) *env {
 	t.Helper()
-	e := &env{srv: natstest.Start(t)}
+	e := &env{srv: natstest.Start(t), names: subjects.Names{StreamLayout: sl}.WithDefaults()}
+	if sl == subjects.PartitionStreams {
+		if err := e.srv.GlobalAccount().AddMapping(layout(t).MappingSource(), layout(t).MappingDest()); err != nil {
+			t.Fatal(err)
+		}
+	}
 	e.nc, e.js = e.srv.JetStream(t)
 	ctx := context.Background()
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t)}); err != nil {
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t), Names: e.names}); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
 	var err error
@@ -149,9 +160,14 @@ func TestNewServiceRejectsMissingIdentity(t *testing.T) {
 }
 
 // TestRead writes the control bucket the way replicas do, runs the status service of one of
-// the two owners, and checks what Read makes of it.
+// the two owners, and checks what Read makes of it, in both stream layouts.
 func TestRead(t *testing.T) {
-	e := newEnv(t)
+	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
+		t.Run(string(sl), func(t *testing.T) { testRead(t, newEnvIn(t, sl)) })
+	}
+}
+
+func testRead(t *testing.T, e *env) {
 	ctx := context.Background()
 	lay := layout(t)
 
@@ -171,7 +187,8 @@ func TestRead(t *testing.T) {
 			seqs[p] = append(seqs[p], ack.Sequence)
 		}
 	}
-	// Partitions 0-7 to r0, 8-14 to r1, 15 unowned; every checkpoint at the partition's 2nd message.
+	// Partitions 0-7 to r0, 8-14 to r1, 15 unowned; every checkpoint at the partition's 2nd
+	// message, 14's in an earlier incarnation of its stream.
 	checkpoint := map[int]uint64{}
 	for p := range partitions {
 		owner := "r0"
@@ -186,7 +203,11 @@ func TestRead(t *testing.T) {
 		if len(seqs[p]) > 1 {
 			checkpoint[p] = seqs[p][1]
 		}
-		if _, err := e.ctl.PutString(ctx, "checkpoint."+strconv.Itoa(p), strconv.FormatUint(checkpoint[p], 10)); err != nil {
+		value := strconv.FormatUint(checkpoint[p], 10)
+		if p == 14 {
+			value = "earlier:" + value
+		}
+		if _, err := e.ctl.PutString(ctx, "checkpoint."+strconv.Itoa(p), value); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -208,7 +229,7 @@ func TestRead(t *testing.T) {
 		return err
 	})
 
-	snap, err := status.Read(ctx, e.js, status.ReadConfig{Layout: lay, Timeout: 500 * time.Millisecond})
+	snap, err := status.Read(ctx, e.js, status.ReadConfig{Layout: lay, Names: e.names, Timeout: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatalf("Read: %v", err)
 	}
@@ -221,10 +242,13 @@ func TestRead(t *testing.T) {
 			wantOwner, wantFrom = "r1", "stream"
 			wantLag = 0
 			for _, s := range seqs[p.Partition] {
-				if s > checkpoint[p.Partition] {
+				if s > checkpoint[p.Partition] || p.Partition == 14 {
 					wantLag++
 				}
 			}
+		}
+		if p.StaleCheckpoint != (p.Partition == 14) {
+			t.Errorf("partition %d: stale checkpoint %v, want %v", p.Partition, p.StaleCheckpoint, p.Partition == 14)
 		}
 		if p.Partition == 15 {
 			wantOwner = ""
@@ -246,23 +270,39 @@ func TestRead(t *testing.T) {
 	if snap.Groups.Values != 40 || snap.Groups.Revision != 40 {
 		t.Errorf("groups = %+v, want 40 values, revision 40", snap.Groups)
 	}
-	if snap.Incoming.Messages != 200 || snap.Incoming.LastSeq != 200 {
-		t.Errorf("incoming = %+v, want 200 messages", snap.Incoming)
+	want := []string{"PARTITION", "OWNER", "CHECKPOINT", "REPLICA", "host-r0", "replica r1 did not report", "unowned partitions: 15",
+		"groups bucket device-groups: 40 values", "partitions 14: checkpoint of an earlier INCOMING"}
+	if e.names.StreamLayout == subjects.SingleStream {
+		if snap.Incoming.Messages != 200 || snap.Incoming.LastSeq != 200 || len(snap.Streams) != 0 {
+			t.Errorf("incoming = %+v, streams %+v, want 200 messages in INCOMING", snap.Incoming, snap.Streams)
+		}
+	} else {
+		if snap.Incoming.Messages != 200 || snap.Incoming.Name != "INCOMING-<p>" || len(snap.Streams) != partitions || snap.StreamLayout != "streams" {
+			t.Fatalf("incoming = %+v, %d streams, layout %q; want 200 messages over %d partition streams", snap.Incoming, len(snap.Streams), snap.StreamLayout, partitions)
+		}
+		for p, st := range snap.Streams {
+			if s := seqs[p]; st.Name != fmt.Sprintf("INCOMING-%d", p) || st.Messages != uint64(len(s)) || len(s) > 0 && st.LastSeq != s[len(s)-1] {
+				t.Errorf("streams[%d] = %+v, want INCOMING-%d with %d messages up to %v", p, st, p, len(s), s)
+			}
+		}
+		want = append(want, "partition streams INCOMING-<p>: 200 messages in all", "STREAM", fmt.Sprintf("INCOMING-15  %d", len(seqs[15])))
 	}
 	// The lag count leaves no consumer behind.
-	info, err := e.js.Stream(ctx, "INCOMING")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if si, err := info.Info(ctx); err != nil || si.State.Consumers != 0 {
-		t.Errorf("INCOMING consumers after Read = %d (%v), want 0", si.State.Consumers, err)
+	for _, name := range e.names.IncomingStreams(partitions) {
+		info, err := e.js.Stream(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if si, err := info.Info(ctx); err != nil || si.State.Consumers != 0 {
+			t.Errorf("%s consumers after Read = %d (%v), want 0", name, si.State.Consumers, err)
+		}
 	}
 
 	var buf bytes.Buffer
 	if err := snap.WriteText(&buf); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"PARTITION", "OWNER", "CHECKPOINT", "REPLICA", "host-r0", "replica r1 did not report", "unowned partitions: 15", "groups bucket device-groups: 40 values"} {
+	for _, want := range want {
 		if !strings.Contains(buf.String(), want) {
 			t.Errorf("WriteText output lacks %q:\n%s", want, buf.String())
 		}

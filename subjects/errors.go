@@ -11,4 +11,6 @@ var (
 	// ErrInvalidToken is wrapped by the errors [ValidToken] and [Template.Render] return for a value
 	// that cannot be used as one subject token.
 	ErrInvalidToken = errors.New("subjects: invalid token")
+	// ErrInvalidLayout is wrapped by the error [ParseStreamLayout] returns for an unknown layout.
+	ErrInvalidLayout = errors.New("subjects: invalid stream layout")
 )

@@ -278,7 +278,18 @@ func (l *Layout) TransformDest() string {
 	return b.String()
 }
 
-// Filter returns the consumer filter subject for partition p, e.g. "incoming.7.>".
+// MappingSource returns the source of the account subject mapping that fills the partition
+// streams of the [PartitionStreams] layout: the subject devices publish to, e.g. "incoming.*.*".
+// It equals [Layout.TransformSource]: the mapping does on publish what INCOMING's transform does
+// on ingest in the [SingleStream] layout.
+func (l *Layout) MappingSource() string { return l.TransformSource() }
+
+// MappingDest returns the destination of that mapping, e.g.
+// "incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"; it equals [Layout.TransformDest].
+func (l *Layout) MappingDest() string { return l.TransformDest() }
+
+// Filter returns the consumer filter subject for partition p, e.g. "incoming.7.>": in the
+// [PartitionStreams] layout, the subject partition p's stream captures.
 func (l *Layout) Filter(p int) string { return l.inPrefixDot + strconv.Itoa(p) + ".>" }
 
 // OutStreamSubject returns the subject the OUTGOING stream captures: Out's leading literal tokens

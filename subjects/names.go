@@ -2,6 +2,7 @@ package subjects
 
 import (
 	"cmp"
+	"fmt"
 	"strconv"
 	"strings"
 )
@@ -9,26 +10,91 @@ import (
 // Names are the streams and buckets one kvmapper deployment uses. Zero fields mean the defaults
 // ([DefaultNames]); every one of them is a flag of every command.
 type Names struct {
-	Incoming string // the stream devices publish into
+	// Incoming is the stream devices publish into or, with [PartitionStreams], the prefix of the
+	// partition streams' names (see [Names.IncomingStream]).
+	Incoming string
 	Outgoing string // the stream mapped messages go to
 	Unmapped string // the stream dead letters go to
 	Groups   string // the KV bucket of device id → group id
 	Control  string // the KV bucket of leases, members and checkpoints
+	// StreamLayout says how INCOMING is stored: one stream, or one per partition.
+	StreamLayout StreamLayout
 }
 
 // DefaultNames are the names kvmapper uses unless told otherwise.
-var DefaultNames = Names{Incoming: "INCOMING", Outgoing: "OUTGOING", Unmapped: "UNMAPPED", Groups: "device-groups", Control: "kvmapper"}
+var DefaultNames = Names{Incoming: "INCOMING", Outgoing: "OUTGOING", Unmapped: "UNMAPPED", Groups: "device-groups", Control: "kvmapper",
+	StreamLayout: SingleStream}
 
 // WithDefaults returns n with each empty name set to its default.
 func (n Names) WithDefaults() Names {
 	d := DefaultNames
 	return Names{
-		Incoming: cmp.Or(n.Incoming, d.Incoming),
-		Outgoing: cmp.Or(n.Outgoing, d.Outgoing),
-		Unmapped: cmp.Or(n.Unmapped, d.Unmapped),
-		Groups:   cmp.Or(n.Groups, d.Groups),
-		Control:  cmp.Or(n.Control, d.Control),
+		Incoming:     cmp.Or(n.Incoming, d.Incoming),
+		Outgoing:     cmp.Or(n.Outgoing, d.Outgoing),
+		Unmapped:     cmp.Or(n.Unmapped, d.Unmapped),
+		Groups:       cmp.Or(n.Groups, d.Groups),
+		Control:      cmp.Or(n.Control, d.Control),
+		StreamLayout: cmp.Or(n.StreamLayout, d.StreamLayout),
 	}
+}
+
+// StreamLayout says how the INCOMING messages are stored. Both layouts store a message published
+// to incoming.{device}.{event} under the same subject, incoming.<partition>.{device}.{event}, so
+// parsing, mapping and the Nats-Msg-Id scheme are the same in both; what differs is which
+// stream holds partition p and how a lane reads it ([Names.IncomingStream]).
+type StreamLayout string
+
+const (
+	// SingleStream keeps every partition in one stream, INCOMING, whose subject transform stamps
+	// the partition on ingest; a lane reads it with a consumer filtered on its partition. It
+	// needs nothing from the server's configuration.
+	SingleStream StreamLayout = "single"
+	// PartitionStreams keeps partition p in a stream of its own, INCOMING-<p>, capturing
+	// incoming.<p>.>; an account subject mapping on the server ([Layout.MappingSource] →
+	// [Layout.MappingDest]) stamps the partition on publish. A lane reads its stream unfiltered,
+	// which costs the server one load per message whatever the number of partitions, and on a
+	// cluster each partition stream has its own leader.
+	PartitionStreams StreamLayout = "streams"
+)
+
+// ParseStreamLayout reads a layout's name, "single" or "streams"; "" is [SingleStream].
+func ParseStreamLayout(s string) (StreamLayout, error) {
+	switch l := StreamLayout(s); l {
+	case "", SingleStream:
+		return SingleStream, nil
+	case PartitionStreams:
+		return l, nil
+	}
+	return "", fmt.Errorf("%w: stream layout %q: use %s or %s", ErrInvalidLayout, s, SingleStream, PartitionStreams)
+}
+
+// PartitionStream is the name of partition p's stream in the [PartitionStreams] layout:
+// "<Incoming>-<p>", e.g. "INCOMING-7".
+func (n Names) PartitionStream(p int) string {
+	return cmp.Or(n.Incoming, DefaultNames.Incoming) + "-" + strconv.Itoa(p)
+}
+
+// IncomingStream returns the stream that holds partition p and the filter a consumer reading
+// only p uses on it: INCOMING and "incoming.<p>.>" in the [SingleStream] layout, INCOMING-<p>
+// and "" (everything) in the [PartitionStreams] layout.
+func (n Names) IncomingStream(lay *Layout, p int) (stream, filter string) {
+	if n.StreamLayout == PartitionStreams {
+		return n.PartitionStream(p), ""
+	}
+	return cmp.Or(n.Incoming, DefaultNames.Incoming), lay.Filter(p)
+}
+
+// IncomingStreams returns every stream that holds INCOMING messages: INCOMING alone, or the
+// partitions' streams in partition order.
+func (n Names) IncomingStreams(partitions int) []string {
+	if n.StreamLayout != PartitionStreams {
+		return []string{cmp.Or(n.Incoming, DefaultNames.Incoming)}
+	}
+	out := make([]string, partitions)
+	for p := range out {
+		out[p] = n.PartitionStream(p)
+	}
+	return out
 }
 
 // BucketStream is the name of the stream behind KV bucket b, as the server names it.

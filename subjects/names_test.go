@@ -1,6 +1,8 @@
 package subjects_test
 
 import (
+	"errors"
+	"slices"
 	"testing"
 
 	"github.com/kvmapper/kvmapper/subjects"
@@ -39,5 +41,52 @@ func TestControlKeys(t *testing.T) {
 		if kind != tc.kind || p != tc.p || id != tc.id || ok != tc.ok {
 			t.Errorf("ParseControlKey(%q) = %q, %d, %q, %v; want %q, %d, %q, %v", tc.key, kind, p, id, ok, tc.kind, tc.p, tc.id, tc.ok)
 		}
+	}
+}
+
+func TestStreamLayout(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want subjects.StreamLayout
+		ok   bool
+	}{
+		{"", subjects.SingleStream, true},
+		{"single", subjects.SingleStream, true},
+		{"streams", subjects.PartitionStreams, true},
+		{"stream", "", false},
+		{"Streams", "", false},
+	} {
+		got, err := subjects.ParseStreamLayout(tc.in)
+		if got != tc.want || (err == nil) != tc.ok {
+			t.Errorf("ParseStreamLayout(%q) = %q, %v; want %q, ok %v", tc.in, got, err, tc.want, tc.ok)
+		}
+		if err != nil && !errors.Is(err, subjects.ErrInvalidLayout) {
+			t.Errorf("ParseStreamLayout(%q) error %v does not wrap ErrInvalidLayout", tc.in, err)
+		}
+	}
+}
+
+func TestIncomingStreams(t *testing.T) {
+	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	single := subjects.Names{Incoming: "IN"}.WithDefaults()
+	if s, f := single.IncomingStream(lay, 3); s != "IN" || f != "incoming.3.>" {
+		t.Errorf("single: IncomingStream(3) = %q, %q; want IN, incoming.3.>", s, f)
+	}
+	if got := single.IncomingStreams(4); !slices.Equal(got, []string{"IN"}) {
+		t.Errorf("single: IncomingStreams(4) = %q, want [IN]", got)
+	}
+	streams := subjects.Names{Incoming: "IN", StreamLayout: subjects.PartitionStreams}.WithDefaults()
+	if s, f := streams.IncomingStream(lay, 3); s != "IN-3" || f != "" {
+		t.Errorf("streams: IncomingStream(3) = %q, %q; want IN-3, no filter", s, f)
+	}
+	if got := streams.IncomingStreams(4); !slices.Equal(got, []string{"IN-0", "IN-1", "IN-2", "IN-3"}) {
+		t.Errorf("streams: IncomingStreams(4) = %q", got)
+	}
+	// The account mapping does on publish what INCOMING's transform does on ingest.
+	if lay.MappingSource() != "incoming.*.*" || lay.MappingDest() != "incoming.{{partition(4,1)}}.{{wildcard(1)}}.{{wildcard(2)}}" {
+		t.Errorf("mapping %q → %q", lay.MappingSource(), lay.MappingDest())
 	}
 }
