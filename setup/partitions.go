@@ -158,7 +158,6 @@ func CheckMapping(ctx context.Context, js jetstream.JetStream, cfg Config) error
 		why = fmt.Sprintf("%d of %d probes reached no stream (e.g. %s): the account maps %s with another partition count or template",
 			len(nowhere), lay.Partitions, nowhere[0], lay.MappingSource())
 	}
-	//lint:ignore ST1005 the error is printed as it is: a paragraph, the config block to add, then the alternative
 	return fmt.Errorf("%w: %s.\n\n%s\nOr run with --layout single, which partitions with a stream subject transform and needs no mapping",
 		ErrNoMapping, why, MappingConfig(lay))
 }
