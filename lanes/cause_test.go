@@ -76,10 +76,12 @@ func TestContextCauseDecidesTheDrain(t *testing.T) {
 			took, after := time.Since(start), sent.Load()-atCancel
 			t.Logf("Run returned %v after the cancel; %d publishes after it", took, after)
 			switch {
-			case tc.drains && (took < drain/2 || after == 0):
+			case tc.drains && (took < drain/2 || after <= 5):
 				t.Errorf("released lane returned after %v with %d publishes after the cancel; want a drain of about %v that resends", took, after, drain)
-			case !tc.drains && (took > drain/2 || after > 1):
-				t.Errorf("fenced lane returned after %v with %d publishes after the cancel; want at once, and nothing sent (one may have been on its way)", took, after)
+			case !tc.drains && (took > drain/2 || after > 5):
+				// A round of resends sent just before the cancel may reach the subscriber after it:
+				// at most the 5 messages in flight.
+				t.Errorf("fenced lane returned after %v with %d publishes after the cancel; want it at once, with at most the round already on its way (5)", took, after)
 			}
 		})
 	}

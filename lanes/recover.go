@@ -2,6 +2,7 @@ package lanes
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -54,7 +55,7 @@ func (l *lane) recover(ctx context.Context) error {
 		if e.acked {
 			continue
 		}
-		if !l.valid() {
+		if !l.valid() || errors.Is(context.Cause(ctx), ErrFenced) {
 			return ErrFenced
 		}
 		if l.p.generation() != gen {
