@@ -140,9 +140,9 @@ func (f *fixture) connect() {
 	f.nc, f.js = f.srv.JetStream(f.t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectBufSize(-1))
 }
 
-// run starts a pool with every partition, each under its own Valid func, and returns a stop
-// func that cancels them and returns what each Run returned.
-func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
+// newPool returns a pool on the fixture's layout, with a 20ms checkpoint interval unless cfg
+// sets one, logging to stderr when KVMAPPER_TEST_LOG names a level.
+func (f *fixture) newPool(cfg lanes.Config) *lanes.Pool {
 	f.t.Helper()
 	cfg = f.config(cfg)
 	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
@@ -156,6 +156,14 @@ func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, fu
 	if err != nil {
 		f.t.Fatalf("lanes.New: %v", err)
 	}
+	return pool
+}
+
+// run starts a pool with every partition, each under its own Valid func, and returns a stop
+// func that cancels them and returns what each Run returned.
+func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
+	f.t.Helper()
+	pool := f.newPool(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	var mu sync.Mutex

@@ -25,14 +25,7 @@ import (
 // in f.recreated the runs of each partition that ended with ErrIncomingRecreated.
 func (f *fixture) runAll(cfg lanes.Config) (*lanes.Pool, func()) {
 	f.t.Helper()
-	cfg = f.config(cfg)
-	if cfg.CheckpointInterval == 0 {
-		cfg.CheckpointInterval = 20 * time.Millisecond
-	}
-	pool, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
-	if err != nil {
-		f.t.Fatalf("lanes.New: %v", err)
-	}
+	pool := f.newPool(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	f.recreated = make([]atomic.Int64, f.lay.Partitions)
