@@ -1,0 +1,503 @@
+package natstest
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+)
+
+// Cluster is a JetStream cluster of embedded servers on loopback, one store directory each under
+// t.TempDir(), shut down by t.Cleanup.
+//
+// Every route between two nodes runs through a proxy of the Cluster's own (one per ordered pair
+// of nodes), so that [Cluster.Kill] can cut a node off the way a crash does: its peers see its
+// routes drop without a word, and its Raft groups elect new leaders only when their election
+// timers fire (4–9 s in nats-server 2.15). [Server.Stop] alone, as nats-server's Shutdown, first
+// hands each Raft group it leads to a follower, which is a planned handover and not a crash.
+//
+// Its methods are not safe for concurrent use; the servers are.
+type Cluster struct {
+	t     testing.TB
+	name  string
+	nodes []*node
+	// links[i][j] carries the routes node i dials to node j.
+	links [][]*link
+	sink  *link // the address every node advertises: it refuses routes
+}
+
+// node is one member of the cluster: its current server (replaced on restart) and what a
+// restart must keep.
+type node struct {
+	name        string
+	srv         *Server // nil while down
+	opts        *server.Options
+	port        int // client port, kept across restarts
+	clusterPort int // route port, kept across restarts
+}
+
+// StartCluster starts n servers (at least 1) named n0, n1… in a cluster and waits until
+// JetStream has a meta leader that every server follows. Optional funcs may change each node's
+// options before it starts (the store directory, names, ports and routes are set afterwards).
+func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
+	t.Helper()
+	if n < 1 {
+		t.Fatalf("natstest.StartCluster: %d nodes, want at least 1", n)
+	}
+	c := &Cluster{t: t, name: "kvmapper-test"}
+	t.Cleanup(c.shutdown)
+	var err error
+	if c.sink, err = newLink(nil); err != nil {
+		t.Fatalf("natstest: listening: %v", err)
+	}
+	c.links = make([][]*link, n)
+	c.nodes = make([]*node, n)
+	for i := range n {
+		c.nodes[i] = &node{name: fmt.Sprintf("n%d", i), port: -1, clusterPort: -1}
+		c.links[i] = make([]*link, n)
+	}
+	for i := range n {
+		for j := range n {
+			if i == j {
+				continue
+			}
+			to := c.nodes[j]
+			l, err := newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", to.clusterPort) })
+			if err != nil {
+				t.Fatalf("natstest: listening: %v", err)
+			}
+			c.links[i][j] = l
+		}
+	}
+	// The cluster ports must be known before any node dials: listen on them first.
+	for i := range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("natstest: listening: %v", err)
+		}
+		c.nodes[i].clusterPort = ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+	}
+	for i, nd := range c.nodes {
+		o := Options(t.TempDir())
+		for _, m := range mods {
+			m(o)
+		}
+		o.ServerName = nd.name
+		o.Cluster = server.ClusterOpts{
+			Name: c.name, Host: "127.0.0.1", Port: nd.clusterPort,
+			// Gossiped addresses lead to the sink, so that every route between two nodes is one
+			// they were configured with, through their link.
+			Advertise:   c.sink.addr(),
+			Compression: server.CompressionOpts{Mode: server.CompressionOff},
+		}
+		o.Routes = nil
+		for j := range n {
+			if j != i {
+				o.Routes = append(o.Routes, &url.URL{Scheme: "nats", Host: c.links[i][j].addr()})
+			}
+		}
+		nd.opts = o
+	}
+	for i := range n {
+		c.start(i)
+	}
+	c.WaitReady()
+	return c
+}
+
+// start starts node i with its options and the ports it had before.
+func (c *Cluster) start(i int) {
+	c.t.Helper()
+	nd := c.nodes[i]
+	o := *nd.opts
+	o.Port = nd.port
+	o.Cluster.Port = nd.clusterPort
+	s, err := server.NewServer(&o)
+	if err != nil {
+		c.t.Fatalf("natstest: server.NewServer(%s): %v", nd.name, err)
+	}
+	s.Start()
+	if !s.ReadyForConnections(10 * time.Second) {
+		s.Shutdown()
+		c.t.Fatalf("natstest: %s not ready within 10s", nd.name)
+	}
+	nd.srv = &Server{Server: s, Opts: &o, t: c.t}
+	nd.port = nd.srv.Port()
+	for j := range c.nodes {
+		if j != i {
+			c.links[i][j].mend()
+			c.links[j][i].mend()
+		}
+	}
+}
+
+// WaitReady waits until every running node sees all the others over its routes and follows a
+// JetStream meta leader.
+func (c *Cluster) WaitReady() {
+	c.t.Helper()
+	Eventually(c.t, 60*time.Second, func() error {
+		up := c.running()
+		for _, i := range up {
+			s := c.nodes[i].srv
+			peers, err := c.routedTo(i)
+			if err != nil {
+				return err
+			}
+			for _, j := range up {
+				if j != i && !slices.Contains(peers, c.nodes[j].name) {
+					return fmt.Errorf("%s has no route to %s yet (routes to %v)", c.nodes[i].name, c.nodes[j].name, peers)
+				}
+			}
+			if !s.JetStreamIsCurrent() {
+				return fmt.Errorf("%s does not follow a current JetStream meta leader yet", c.nodes[i].name)
+			}
+		}
+		if c.metaLeader() < 0 {
+			return errors.New("no JetStream meta leader yet")
+		}
+		return nil
+	})
+}
+
+// running returns the indexes of the nodes that are up.
+func (c *Cluster) running() []int {
+	var up []int
+	for i, nd := range c.nodes {
+		if nd.srv != nil {
+			up = append(up, i)
+		}
+	}
+	return up
+}
+
+// routedTo returns the names of the servers node i has routes to.
+func (c *Cluster) routedTo(i int) ([]string, error) {
+	rz, err := c.nodes[i].srv.Routez(nil)
+	if err != nil {
+		return nil, fmt.Errorf("%s: Routez: %w", c.nodes[i].name, err)
+	}
+	var names []string
+	for _, r := range rz.Routes {
+		if !slices.Contains(names, r.RemoteName) {
+			names = append(names, r.RemoteName)
+		}
+	}
+	return names, nil
+}
+
+func (c *Cluster) metaLeader() int {
+	for _, i := range c.running() {
+		if c.nodes[i].srv.JetStreamIsLeader() {
+			return i
+		}
+	}
+	return -1
+}
+
+// Size returns the number of nodes, up or down.
+func (c *Cluster) Size() int { return len(c.nodes) }
+
+// Server returns node i's current server, or nil while it is down.
+func (c *Cluster) Server(i int) *Server { return c.nodes[i].srv }
+
+// Name returns node i's server name (n0, n1…), as stream info reports leaders and replicas.
+func (c *Cluster) Name(i int) string { return c.nodes[i].name }
+
+// Index returns the index of the node named name, or -1.
+func (c *Cluster) Index(name string) int {
+	for i, nd := range c.nodes {
+		if nd.name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// URL returns node i's client URL; it stays the same across restarts.
+func (c *Cluster) URL(i int) string {
+	return fmt.Sprintf("nats://127.0.0.1:%d", c.nodes[i].port)
+}
+
+// URLs returns every node's client URL, comma separated, starting with node first: what a
+// client that prefers node first but may fail over to the others dials (with nats.DontRandomize).
+func (c *Cluster) URLs(first int) string {
+	urls := []string{c.URL(first)}
+	for i := range c.nodes {
+		if i != first {
+			urls = append(urls, c.URL(i))
+		}
+	}
+	return strings.Join(urls, ",")
+}
+
+// Connect dials node first (the others are failover addresses, tried in order) and closes the
+// connection with t.Cleanup.
+func (c *Cluster) Connect(t testing.TB, first int, opts ...nats.Option) *nats.Conn {
+	t.Helper()
+	opts = append([]nats.Option{nats.DontRandomize()}, opts...)
+	nc, err := nats.Connect(c.URLs(first), opts...)
+	if err != nil {
+		t.Fatalf("nats.Connect(%s): %v", c.URLs(first), err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// StreamLeader returns the index of the running node that leads stream (in the global
+// account), or -1 when none does. A KV bucket's stream is KV_<bucket>.
+func (c *Cluster) StreamLeader(stream string) int {
+	for _, i := range c.running() {
+		if c.nodes[i].srv.JetStreamIsStreamLeader(server.DEFAULT_GLOBAL_ACCOUNT, stream) {
+			return i
+		}
+	}
+	return -1
+}
+
+// WaitStreamLeader waits until a running node other than not (-1: any) leads stream, and
+// returns its index.
+func (c *Cluster) WaitStreamLeader(stream string, not int, timeout time.Duration) int {
+	c.t.Helper()
+	var leader int
+	Eventually(c.t, timeout, func() error {
+		leader = c.StreamLeader(stream)
+		if leader < 0 || leader == not {
+			return fmt.Errorf("stream %s has no leader other than node %d yet", stream, not)
+		}
+		return nil
+	})
+	return leader
+}
+
+// WaitStreamCurrent waits until every running node that holds a replica of stream reports it
+// current with its leader (a restarted node has caught up).
+func (c *Cluster) WaitStreamCurrent(stream string, timeout time.Duration) {
+	c.t.Helper()
+	Eventually(c.t, timeout, func() error {
+		if c.StreamLeader(stream) < 0 {
+			return fmt.Errorf("stream %s has no leader", stream)
+		}
+		for _, i := range c.running() {
+			s := c.nodes[i].srv
+			if s.JetStreamIsStreamAssigned(server.DEFAULT_GLOBAL_ACCOUNT, stream) &&
+				!s.JetStreamIsStreamCurrent(server.DEFAULT_GLOBAL_ACCOUNT, stream) {
+				return fmt.Errorf("%s: stream %s not current", c.nodes[i].name, stream)
+			}
+		}
+		return nil
+	})
+}
+
+// Kill crashes node i: it cuts every route to and from it at once, waits until no other node
+// has a route to it, and only then shuts it down, so that its Raft groups cannot hand their
+// leadership over first; its client connections close as a dead process's would. Its store
+// stays for [Cluster.Restart]. It returns when the node has stopped.
+func (c *Cluster) Kill(i int) {
+	c.t.Helper()
+	nd := c.nodes[i]
+	if nd.srv == nil {
+		c.t.Fatalf("natstest: Kill(%d): %s is already down", i, nd.name)
+	}
+	for j := range c.nodes {
+		if j != i {
+			c.links[i][j].cut()
+			c.links[j][i].cut()
+		}
+	}
+	Eventually(c.t, 10*time.Second, func() error {
+		for _, j := range c.running() {
+			if j == i {
+				continue
+			}
+			peers, err := c.routedTo(j)
+			if err != nil {
+				return err
+			}
+			if slices.Contains(peers, nd.name) {
+				return fmt.Errorf("%s still has a route to %s", c.nodes[j].name, nd.name)
+			}
+		}
+		return nil
+	})
+	nd.srv.Stop()
+	nd.srv = nil
+}
+
+// Stop shuts node i down gracefully, as nats-server does on SIGTERM: the Raft groups it leads
+// hand their leadership to a follower first. Its store stays for [Cluster.Restart].
+func (c *Cluster) Stop(i int) {
+	c.t.Helper()
+	nd := c.nodes[i]
+	if nd.srv == nil {
+		c.t.Fatalf("natstest: Stop(%d): %s is already down", i, nd.name)
+	}
+	nd.srv.Stop()
+	nd.srv = nil
+}
+
+// Restart starts node i again on its ports with its store, as an operator restarting a
+// crashed nats-server would, and returns once it has routes to every running node. It does not
+// wait for its streams to catch up: see [Cluster.WaitStreamCurrent].
+func (c *Cluster) Restart(i int) *Server {
+	c.t.Helper()
+	if c.nodes[i].srv != nil {
+		c.t.Fatalf("natstest: Restart(%d): %s is running", i, c.nodes[i].name)
+	}
+	c.start(i)
+	c.WaitReady()
+	return c.nodes[i].srv
+}
+
+// StepDown asks stream's leader to hand its leadership to another replica, through the
+// JetStream API ($JS.API.STREAM.LEADER.STEPDOWN.<stream>) on nc, and waits until another node
+// leads it. It returns the old and the new leader's indexes.
+func (c *Cluster) StepDown(nc *nats.Conn, stream string) (from, to int) {
+	c.t.Helper()
+	from = c.WaitStreamLeader(stream, -1, 30*time.Second)
+	resp, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil, 10*time.Second)
+	if err != nil {
+		c.t.Fatalf("natstest: stepping %s's leader down: %v", stream, err)
+	}
+	var r struct {
+		Success bool `json:"success"`
+		Error   *struct {
+			Code        int    `json:"code"`
+			Description string `json:"description"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil {
+		c.t.Fatalf("natstest: stepping %s's leader down: %v in %q", stream, err, resp.Data)
+	}
+	if !r.Success {
+		c.t.Fatalf("natstest: stepping %s's leader down: %s", stream, resp.Data)
+	}
+	return from, c.WaitStreamLeader(stream, from, 30*time.Second)
+}
+
+// shutdown stops every node, then the links.
+func (c *Cluster) shutdown() {
+	for _, nd := range c.nodes {
+		if nd != nil && nd.srv != nil {
+			nd.srv.Stop()
+			nd.srv = nil
+		}
+	}
+	for _, row := range c.links {
+		for _, l := range row {
+			if l != nil {
+				l.close()
+			}
+		}
+	}
+	if c.sink != nil {
+		c.sink.close()
+	}
+}
+
+// link is a TCP proxy on loopback to a node's route port. While cut it closes what it carries
+// and refuses new connections, as a dead host would; a link with no target always refuses.
+type link struct {
+	ln     net.Listener
+	target func() string // nil: refuse everything
+	wg     sync.WaitGroup
+
+	mu    sync.Mutex
+	up    bool
+	conns map[net.Conn]struct{}
+}
+
+func newLink(target func() string) (*link, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	l := &link{ln: ln, target: target, conns: map[net.Conn]struct{}{}}
+	l.wg.Go(l.accept)
+	return l, nil
+}
+
+func (l *link) addr() string { return l.ln.Addr().String() }
+
+func (l *link) accept() {
+	for {
+		in, err := l.ln.Accept()
+		if err != nil {
+			return
+		}
+		l.mu.Lock()
+		up := l.up && l.target != nil
+		l.mu.Unlock()
+		if !up {
+			in.Close()
+			continue
+		}
+		l.wg.Go(func() { l.carry(in) })
+	}
+}
+
+// carry connects in to the target and copies both ways until either side closes or the link
+// is cut.
+func (l *link) carry(in net.Conn) {
+	out, err := net.DialTimeout("tcp", l.target(), time.Second)
+	if err != nil {
+		in.Close()
+		return
+	}
+	l.mu.Lock()
+	if !l.up {
+		l.mu.Unlock()
+		in.Close()
+		out.Close()
+		return
+	}
+	l.conns[in], l.conns[out] = struct{}{}, struct{}{}
+	l.mu.Unlock()
+	var wg sync.WaitGroup
+	pipe := func(dst, src net.Conn) {
+		_, _ = io.Copy(dst, src)
+		// Either side closing ends both, as a TCP connection through a host would.
+		in.Close()
+		out.Close()
+	}
+	wg.Go(func() { pipe(out, in) })
+	wg.Go(func() { pipe(in, out) })
+	wg.Wait()
+	l.mu.Lock()
+	delete(l.conns, in)
+	delete(l.conns, out)
+	l.mu.Unlock()
+}
+
+// cut closes every connection the link carries and refuses new ones until mend.
+func (l *link) cut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.up = false
+	for c := range l.conns {
+		c.Close()
+	}
+}
+
+func (l *link) mend() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.up = true
+}
+
+// close stops the link and waits for its goroutines.
+func (l *link) close() {
+	l.cut()
+	l.ln.Close()
+	l.wg.Wait()
+}
