@@ -21,10 +21,14 @@ import (
 // t.TempDir(), shut down by t.Cleanup.
 //
 // Every route between two nodes runs through a proxy of the Cluster's own (one per ordered pair
-// of nodes), so that [Cluster.Kill] can cut a node off the way a crash does: its peers see its
-// routes drop without a word, and its Raft groups elect new leaders only when their election
-// timers fire (4–9 s in nats-server 2.15). [Server.Stop] alone, as nats-server's Shutdown, first
-// hands each Raft group it leads to a follower, which is a planned handover and not a crash.
+// of nodes), and so does every client connection (one proxy per node, which the node advertises
+// to clients as its address), so that [Cluster.Kill] can cut a node off the way a crash does:
+// its clients and peers see its connections drop without a word, its clients fail over to the
+// servers they know, and its Raft groups elect new leaders only when their election timers fire
+// (4–9 s in nats-server 2.15). [Server.Stop] alone, as nats-server's Shutdown, first hands each
+// Raft group it leads to a follower, which is a planned handover and not a crash; and cutting
+// only the routes would let the node tell its clients that its peers are gone, so that they
+// would not fail over.
 //
 // Its methods are not safe for concurrent use; the servers are.
 type Cluster struct {
@@ -39,7 +43,9 @@ type Cluster struct {
 // node is one member of the cluster: its current server (replaced on restart) and what a
 // restart must keep.
 type node struct {
-	name        string
+	name   string
+	client *link // the address clients dial
+
 	srv         *Server // nil while down
 	opts        *server.Options
 	port        int // client port, kept across restarts
@@ -55,6 +61,12 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		t.Fatalf("natstest.StartCluster: %d nodes, want at least 1", n)
 	}
 	c := &Cluster{t: t, name: "kvmapper-test"}
+	// The store directories first: t.TempDir removes them in a cleanup of its own, which must
+	// run after the servers have stopped (cleanups run last registered, first run).
+	dirs := make([]string, n)
+	for i := range dirs {
+		dirs[i] = t.TempDir()
+	}
 	t.Cleanup(c.shutdown)
 	var err error
 	if c.sink, err = newLink(nil); err != nil {
@@ -63,7 +75,11 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	c.links = make([][]*link, n)
 	c.nodes = make([]*node, n)
 	for i := range n {
-		c.nodes[i] = &node{name: fmt.Sprintf("n%d", i), port: -1, clusterPort: -1}
+		nd := &node{name: fmt.Sprintf("n%d", i), port: -1, clusterPort: -1}
+		if nd.client, err = newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", nd.port) }); err != nil {
+			t.Fatalf("natstest: listening: %v", err)
+		}
+		c.nodes[i] = nd
 		c.links[i] = make([]*link, n)
 	}
 	for i := range n {
@@ -89,11 +105,12 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		ln.Close()
 	}
 	for i, nd := range c.nodes {
-		o := Options(t.TempDir())
+		o := Options(dirs[i])
 		for _, m := range mods {
 			m(o)
 		}
 		o.ServerName = nd.name
+		o.ClientAdvertise = nd.client.addr()
 		o.Cluster = server.ClusterOpts{
 			Name: c.name, Host: "127.0.0.1", Port: nd.clusterPort,
 			// Gossiped addresses lead to the sink, so that every route between two nodes is one
@@ -134,6 +151,7 @@ func (c *Cluster) start(i int) {
 	}
 	nd.srv = &Server{Server: s, Opts: &o, t: c.t}
 	nd.port = nd.srv.Port()
+	nd.client.mend()
 	for j := range c.nodes {
 		if j != i {
 			c.links[i][j].mend()
@@ -163,8 +181,16 @@ func (c *Cluster) WaitReady() {
 				return fmt.Errorf("%s does not follow a current JetStream meta leader yet", c.nodes[i].name)
 			}
 		}
-		if c.metaLeader() < 0 {
+		leader := c.MetaLeader()
+		if leader < 0 {
 			return errors.New("no JetStream meta leader yet")
+		}
+		// Streams are placed on the peers the meta leader has heard from.
+		placeable := c.nodes[leader].srv.JetStreamClusterPeers()
+		for _, i := range up {
+			if !slices.Contains(placeable, c.nodes[i].name) {
+				return fmt.Errorf("the meta leader cannot place streams on %s yet (peers %v)", c.nodes[i].name, placeable)
+			}
 		}
 		return nil
 	})
@@ -196,7 +222,9 @@ func (c *Cluster) routedTo(i int) ([]string, error) {
 	return names, nil
 }
 
-func (c *Cluster) metaLeader() int {
+// MetaLeader returns the index of the running node that leads the JetStream meta group (it
+// creates streams and places consumers), or -1 when none does.
+func (c *Cluster) MetaLeader() int {
 	for _, i := range c.running() {
 		if c.nodes[i].srv.JetStreamIsLeader() {
 			return i
@@ -224,9 +252,10 @@ func (c *Cluster) Index(name string) int {
 	return -1
 }
 
-// URL returns node i's client URL; it stays the same across restarts.
+// URL returns node i's client URL, which it advertises to clients; it stays the same across
+// restarts. (Server(i).URL() bypasses the proxy a Kill cuts: do not hand it to clients.)
 func (c *Cluster) URL(i int) string {
-	return fmt.Sprintf("nats://127.0.0.1:%d", c.nodes[i].port)
+	return "nats://" + c.nodes[i].client.addr()
 }
 
 // URLs returns every node's client URL, comma separated, starting with node first: what a
@@ -309,6 +338,9 @@ func (c *Cluster) Kill(i int) {
 	if nd.srv == nil {
 		c.t.Fatalf("natstest: Kill(%d): %s is already down", i, nd.name)
 	}
+	// Clients first: once its routes are cut, a live node would tell its clients that its
+	// peers are gone, and they would not fail over to them.
+	nd.client.cut()
 	for j := range c.nodes {
 		if j != i {
 			c.links[i][j].cut()
@@ -398,6 +430,11 @@ func (c *Cluster) shutdown() {
 			if l != nil {
 				l.close()
 			}
+		}
+	}
+	for _, nd := range c.nodes {
+		if nd != nil && nd.client != nil {
+			nd.client.close()
 		}
 	}
 	if c.sink != nil {

@@ -14,7 +14,8 @@ import (
 
 // TestClusterKillIsACrash checks what the cluster tests rely on: Kill leaves a stream leaderless
 // until a Raft election timer fires (seconds), where a step-down hands leadership over at once;
-// a node restarted after missing writes catches up.
+// a client that named only the killed node fails over to the servers it learnt of; a node
+// restarted after missing writes catches up.
 func TestClusterKillIsACrash(t *testing.T) {
 	c := natstest.StartCluster(t, 3)
 	nc := c.Connect(t, 0, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
@@ -43,6 +44,12 @@ func TestClusterKillIsACrash(t *testing.T) {
 	t.Logf("step-down %s → %s took %v", c.Name(from), c.Name(to), stepDown)
 
 	leader := c.WaitStreamLeader("S", -1, 10*time.Second)
+	// A client of the leader's node alone, as a user who names one server.
+	lone, err := nats.Connect(c.URL(leader), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lone.Close()
 	start = time.Now()
 	c.Kill(leader)
 	next := c.WaitStreamLeader("S", leader, 30*time.Second)
@@ -56,6 +63,13 @@ func TestClusterKillIsACrash(t *testing.T) {
 	if stepDown >= election {
 		t.Errorf("step-down took %v, the election after a kill %v: want the step-down faster", stepDown, election)
 	}
+
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if !lone.IsConnected() || lone.ConnectedUrl() == c.URL(leader) {
+			return fmt.Errorf("a client of the killed node only: %v, at %s", lone.Status(), lone.ConnectedUrl())
+		}
+		return nil
+	})
 
 	publish(10) // the restarted node missed these
 	c.Restart(leader)
