@@ -396,17 +396,29 @@ func (c *Cluster) Restart(i int) *Server {
 // leads it. It returns the old and the new leader's indexes.
 func (c *Cluster) StepDown(nc *nats.Conn, stream string) (from, to int) {
 	c.t.Helper()
+	return c.stepDown(nc, stream, -1)
+}
+
+// StepDownTo is StepDown asking for node to as the new leader; it returns once to leads stream.
+func (c *Cluster) StepDownTo(nc *nats.Conn, stream string, to int) (from int) {
+	c.t.Helper()
+	from, _ = c.stepDown(nc, stream, to)
+	return from
+}
+
+func (c *Cluster) stepDown(nc *nats.Conn, stream string, preferred int) (from, to int) {
+	c.t.Helper()
 	from = c.WaitStreamLeader(stream, -1, 30*time.Second)
-	resp, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil, 10*time.Second)
+	var body []byte
+	if preferred >= 0 {
+		body = []byte(`{"placement":{"preferred":"` + c.nodes[preferred].name + `"}}`)
+	}
+	resp, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+stream, body, 10*time.Second)
 	if err != nil {
 		c.t.Fatalf("natstest: stepping %s's leader down: %v", stream, err)
 	}
 	var r struct {
 		Success bool `json:"success"`
-		Error   *struct {
-			Code        int    `json:"code"`
-			Description string `json:"description"`
-		} `json:"error"`
 	}
 	if err := json.Unmarshal(resp.Data, &r); err != nil {
 		c.t.Fatalf("natstest: stepping %s's leader down: %v in %q", stream, err, resp.Data)
@@ -414,7 +426,16 @@ func (c *Cluster) StepDown(nc *nats.Conn, stream string) (from, to int) {
 	if !r.Success {
 		c.t.Fatalf("natstest: stepping %s's leader down: %s", stream, resp.Data)
 	}
-	return from, c.WaitStreamLeader(stream, from, 30*time.Second)
+	if preferred < 0 {
+		return from, c.WaitStreamLeader(stream, from, 30*time.Second)
+	}
+	Eventually(c.t, 30*time.Second, func() error {
+		if l := c.StreamLeader(stream); l != preferred {
+			return fmt.Errorf("stream %s led by node %d, want %d", stream, l, preferred)
+		}
+		return nil
+	})
+	return from, preferred
 }
 
 // shutdown stops every node, then the links.
