@@ -176,6 +176,9 @@ func createOrGet(ctx context.Context, js jetstream.JetStream, want jetstream.Str
 		return nil, false, fmt.Errorf("setup: looking up stream %s: %w", want.Name, err)
 	}
 	s, err = js.CreateStream(ctx, want)
+	if perr := placementError("stream "+want.Name, want.Replicas, err); perr != nil {
+		return nil, false, perr
+	}
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		// Another replica created it first.
 		s, err = js.Stream(ctx, want.Name)
@@ -205,6 +208,9 @@ func ensureGroups(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		Storage:     jetstream.FileStorage,
 		Replicas:    cfg.Replicas,
 	})
+	if perr := placementError("bucket "+cfg.Groups, cfg.Replicas, err); perr != nil {
+		return "", perr
+	}
 	if err != nil && !errors.Is(err, jetstream.ErrBucketExists) {
 		return "", fmt.Errorf("setup: creating bucket %s: %w", cfg.Groups, err)
 	}
@@ -225,6 +231,9 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 		if err == nil {
 			return fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control), nil
 		}
+		if perr := placementError("bucket "+cfg.Control, cfg.Replicas, err); perr != nil {
+			return "", perr
+		}
 		if !errors.Is(err, jetstream.ErrBucketExists) {
 			return "", fmt.Errorf("setup: creating bucket %s: %w", cfg.Control, err)
 		}
@@ -243,3 +252,30 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 	}
 	return fmt.Sprintf("bucket %s ok", cfg.Control), nil
 }
+
+// placementError explains, for a create that failed because the servers cannot hold replicas
+// copies of what (a single server, or a cluster with too few servers up), what to do instead;
+// it returns nil for any other error. It wraps [ErrInvalidConfig].
+func placementError(what string, replicas int, err error) error {
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		return nil
+	}
+	switch apiErr.ErrorCode {
+	case errCodeReplicasNotSupported:
+		return fmt.Errorf("%w: creating %s with %d replicas: the server is not in a JetStream cluster (%s): run setup with --stream-replicas 1, or start a cluster of at least %d servers (README: Production on a cluster)",
+			ErrInvalidConfig, what, replicas, apiErr.Description, replicas)
+	case errCodeNoPeers, errCodeInsufficientResources:
+		return fmt.Errorf("%w: creating %s with %d replicas: the cluster cannot place them (%s): it needs %d servers with JetStream, up and with room (`nats server report jetstream` lists them), or a lower --stream-replicas",
+			ErrInvalidConfig, what, replicas, apiErr.Description, replicas)
+	}
+	return nil
+}
+
+// nats-server's error codes for a stream it cannot place (JSStreamReplicasNotSupportedErr,
+// JSClusterNoPeersErrF, JSInsufficientResourcesErr), which nats.go has no constants for.
+const (
+	errCodeReplicasNotSupported  jetstream.ErrorCode = 10074
+	errCodeNoPeers               jetstream.ErrorCode = 10005
+	errCodeInsufficientResources jetstream.ErrorCode = 10023
+)
