@@ -172,3 +172,33 @@ func TestIncomingRecreatedUnderRunningLanes(t *testing.T) {
 		}
 	})
 }
+
+// A checkpoint written before checkpoints named their stream (a bare sequence) is taken as the
+// current INCOMING's: the lane resumes after it and writes it back in the new form.
+func TestBareCheckpointIsTheCurrentStreams(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-old"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	f.publish([]string{dev}, 10, nil) // INCOMING 1..10, all of partition p
+	if _, err := f.ctl.PutString(context.Background(), subjects.CheckpointKey(p), "6"); err != nil {
+		t.Fatal(err)
+	}
+	f.run(lanes.Config{}, nil)
+	msgs := f.read("OUTGOING", 4)
+	for i, m := range msgs {
+		if want := fmt.Sprintf("%s:%d", dev, 6+i); string(m.Data()) != want {
+			t.Fatalf("OUTGOING message %d = %q, want %q: the lane must resume after the bare checkpoint 6", i, m.Data(), want)
+		}
+	}
+	natstest.Eventually(t, 10*time.Second, func() error {
+		e, err := f.ctl.Get(context.Background(), subjects.CheckpointKey(p))
+		if err != nil {
+			return err
+		}
+		if cp, err := lanes.ParseCheckpoint(e.Value()); err != nil || cp.Incarnation == "" || cp.Seq != 10 {
+			return fmt.Errorf("checkpoint = %q (%+v, %v), want <incarnation>:10", e.Value(), cp, err)
+		}
+		return nil
+	})
+}

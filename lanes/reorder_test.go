@@ -95,28 +95,7 @@ func TestReorderAcrossHandoverIsCountedOnce(t *testing.T) {
 		}
 		return nil
 	})
-	lost.Store(true)
-	select {
-	case err := <-res:
-		if !errors.Is(err, lanes.ErrFenced) {
-			t.Fatalf("Run(first owner) = %v, want ErrFenced", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the first owner kept running after its lease clock ran out")
-	}
-	release()
-
-	next, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	runLane(t, next, lanes.Assignment{Partition: p, Epoch: 2})
-	natstest.Eventually(t, 10*time.Second, func() error {
-		if st := next.Stats(); st.Mapped+st.Duplicates != 2 {
-			return fmt.Errorf("next owner: Stats() = %+v, want both messages acknowledged", st)
-		}
-		return nil
-	})
+	next := handOver(t, f, cfg, p, &lost, res, release, 2)
 	// The test made a real reorder: dev-r:0 is stored after dev-r:1.
 	if got := payloads(f.read("OUTGOING", 2)); strings.Join(got, " ") != "dev-r:1 dev-r:0" {
 		t.Fatalf("OUTGOING holds %q, want dev-r:1 then dev-r:0 (the reorder this test is about)", got)
@@ -282,27 +261,7 @@ func TestReorderStoredByAFencedLaneIsCounted(t *testing.T) {
 		}
 		return nil
 	})
-	lost.Store(true)
-	select {
-	case err := <-res:
-		if !errors.Is(err, lanes.ErrFenced) {
-			t.Fatalf("Run(first owner) = %v, want ErrFenced", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the first owner kept running after its lease clock ran out")
-	}
-	releaseC()
-	next, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	runLane(t, next, lanes.Assignment{Partition: p, Epoch: 2})
-	natstest.Eventually(t, 10*time.Second, func() error {
-		if st := next.Stats(); st.Mapped+st.Duplicates != 3 {
-			return fmt.Errorf("next owner: Stats() = %+v, want all three messages acknowledged", st)
-		}
-		return nil
-	})
+	next := handOver(t, f, cfg, p, &lost, res, releaseC, 3)
 	if got := payloads(f.read("OUTGOING", 3)); strings.Join(got, " ") != "dev-r:2 dev-r:1 dev-r:0" {
 		t.Fatalf("OUTGOING holds %q, want dev-r:2, dev-r:1, dev-r:0: two messages stored after a later one", got)
 	}
@@ -312,4 +271,33 @@ func TestReorderStoredByAFencedLaneIsCounted(t *testing.T) {
 	if got := next.Stats().Reorders; got != 1 {
 		t.Errorf("next owner: Stats().Reorders = %d, want 1 (dev-r:0, which it stored)", got)
 	}
+}
+
+// handOver ends the first owner's lease by its clock (lost), waits for its Run (res) to end with
+// ErrFenced, calls release (the refusals stop), and runs the next owner (epoch 2) until it has
+// acknowledged want messages, new or duplicate.
+func handOver(t *testing.T, f *fixture, cfg lanes.Config, p int, lost *atomic.Bool, res <-chan error, release func(), want uint64) *lanes.Pool {
+	t.Helper()
+	lost.Store(true)
+	select {
+	case err := <-res:
+		if !errors.Is(err, lanes.ErrFenced) {
+			t.Fatalf("Run(first owner) = %v, want ErrFenced", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first owner kept running after its lease clock ran out")
+	}
+	release()
+	next, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runLane(t, next, lanes.Assignment{Partition: p, Epoch: 2})
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if st := next.Stats(); st.Mapped+st.Duplicates != want {
+			return fmt.Errorf("next owner: Stats() = %+v, want %d messages acknowledged", st, want)
+		}
+		return nil
+	})
+	return next
 }

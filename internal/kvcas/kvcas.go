@@ -9,10 +9,12 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// IsConflict reports whether err is a compare-and-set conflict: someone else wrote first. On R1
-// buckets the server answers "wrong last sequence" (10071), which nats.go's KV calls report as
-// ErrKeyExists; on replicated ones the code differs (10164), and a raw publish with an expected
-// sequence reports the API error itself.
+// IsConflict reports whether err is a compare-and-set conflict: someone else wrote first. The
+// server answers "wrong last sequence", 10071, which the KV calls report as ErrKeyExists and
+// ErrKeyRevisionMismatch; nats.go documents 10164 for the same conflict on replicated streams
+// and maps it in its KV calls, but a raw publish with an expected sequence would return the API
+// error itself, so both codes are checked. (nats-server 2.15.2 answered 10071 on an R3 bucket to
+// every write TestIsConflictReplicated makes: the 10164 case is nats.go's word, not observed.)
 func IsConflict(err error) bool {
 	if err == nil {
 		return false

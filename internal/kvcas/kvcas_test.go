@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -45,6 +46,35 @@ func TestIsConflict(t *testing.T) {
 	} {
 		if got := kvcas.IsConflict(tc.err); got != tc.want {
 			t.Errorf("%s: IsConflict(%v) = %v, want %v", name, tc.err, got, tc.want)
+		}
+	}
+}
+
+// The same on a replicated bucket, where nats.go documents another code (10164) for the conflict.
+// nats-server 2.15.2 answered both writes here with 10071: this test passes without IsConflict's
+// check of 10164, which stands on nats.go's documentation alone.
+func TestIsConflictReplicated(t *testing.T) {
+	c := natstest.StartCluster(t, 3)
+	nc := c.Connect(t, 0)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Replicas: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev, err := kv.Create(ctx, "k", []byte("1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, updateErr := kv.Update(ctx, "k", []byte("2"), rev+7)
+	_, pubErr := js.PublishMsg(ctx, nats.NewMsg("$KV.b.k"), jetstream.WithExpectLastSequencePerSubject(rev+7))
+	for name, err := range map[string]error{"update at the wrong revision": updateErr, "publish with the wrong last sequence": pubErr} {
+		if !kvcas.IsConflict(err) {
+			t.Errorf("%s on R3: IsConflict(%v) = false, want true", name, err)
 		}
 	}
 }
