@@ -67,7 +67,9 @@ type Config struct {
 	// Nats-Msg-Ids start with "replay:<ID>:". Letters, digits, '-' and '_', at most 64. Default:
 	// derived from everything that decides what the replay publishes (streams and their
 	// incarnations, range, partitions, devices, templates, Into, AsOf as given), so that running
-	// the same replay again resumes it.
+	// the same replay again resumes it. A range or as-of time given relative to now (as the
+	// command line allows) names another replay each time: resume such a replay by its ID, with
+	// the range and revision it resolved when it started.
 	ID string
 
 	// The range, inclusive: FromSeq or FromTime (the first message stored at or after it), and
@@ -110,6 +112,9 @@ type Config struct {
 	// Logger receives structured logs. Default: none.
 	Logger zerolog.Logger
 }
+
+// Validate checks c as [New] does, without connecting to anything.
+func (c Config) Validate() error { return c.setDefaults() }
 
 var idRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
 

@@ -19,9 +19,12 @@ func RecordKey(id string) string { return "replay." + id }
 // what the replay resolved when it first started (the ranges, the as-of revision), so that a
 // resumed replay publishes exactly what the first run would have, and how far it got.
 type record struct {
-	// Spec is the canonical description of the replay its id was derived from.
+	// Spec is the description of the replay a default id is derived from; Shape is Spec without
+	// the range and the as-of point, which a run resuming the replay must share.
 	Spec    string   `json:"spec"`
+	Shape   string   `json:"shape"`
 	AsOf    uint64   `json:"as_of"`
+	Dead    string   `json:"dead_letters"` // the stream dead letters go to
 	Sources []source `json:"sources"`
 	// Floors holds, for each stream the replay publishes to, a sequence after which that stream
 	// stored (if at all) every message the replay sent that no source's Done covers yet: a

@@ -146,7 +146,7 @@ func (r *Replay) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	spec := r.spec(srcs)
+	shape, spec := r.spec(srcs)
 	r.id = cmp.Or(r.cfg.ID, hashID(spec))
 	r.sum.ID = r.id
 	r.log = r.log.With().Str("replay", r.id).Logger()
@@ -163,7 +163,7 @@ func (r *Replay) Run(ctx context.Context) error {
 			return err
 		}
 		if ok {
-			if err := checkRecord(rec, spec, srcs, r.id); err != nil {
+			if err := checkRecord(rec, shape, srcs, r.id); err != nil {
 				return err
 			}
 			r.rec, resumed = rec, true
@@ -184,7 +184,7 @@ func (r *Replay) Run(ctx context.Context) error {
 			return err
 		}
 		now := time.Now().UTC()
-		r.rec = record{Spec: spec, AsOf: rev, Sources: srcs, Floors: map[string]uint64{}, Started: now}
+		r.rec = record{Spec: spec, Shape: shape, AsOf: rev, Sources: srcs, Floors: map[string]uint64{}, Started: now}
 	}
 	r.sum.Resumed = resumed
 	r.fillSummary()
@@ -194,7 +194,7 @@ func (r *Replay) Run(ctx context.Context) error {
 	if r.tg, err = r.openTargets(ctx); err != nil {
 		return err
 	}
-	r.sum.DeadLetters = r.tg.dead
+	r.sum.DeadLetters, r.rec.Dead = r.tg.dead, r.tg.dead
 	r.prefixes = map[string]int{}
 	for i, s := range r.rec.Sources {
 		r.prefixes[r.idPrefix(s)] = i
@@ -232,8 +232,11 @@ func (r *Replay) Run(ctx context.Context) error {
 	return runErr
 }
 
-// spec describes everything that decides what the replay publishes; the default id is its hash.
-func (r *Replay) spec(srcs []source) string {
+// spec describes everything that decides what the replay publishes: shape is all but the range
+// and the as-of point, full adds them. The default id is the hash of full; a replay resumed by its
+// id needs the same shape, and goes on with the range and revision it resolved when it started
+// (a range given relative to now resolves differently every time).
+func (r *Replay) spec(srcs []source) (shape, full string) {
 	c := &r.cfg
 	var b strings.Builder
 	fmt.Fprintf(&b, "v1 layout=%s in=%s partitions=%d", c.Names.StreamLayout, c.Layout.In, c.Layout.Partitions)
@@ -243,21 +246,7 @@ func (r *Replay) spec(srcs []source) string {
 			fmt.Fprintf(&b, "[%s]", s.Filter)
 		}
 	}
-	point := func(seq uint64, t time.Time) string {
-		switch {
-		case seq > 0:
-			return "seq:" + strconv.FormatUint(seq, 10)
-		case !t.IsZero():
-			return "time:" + t.UTC().Format(time.RFC3339Nano)
-		}
-		return "end"
-	}
-	fmt.Fprintf(&b, " from=%s to=%s", point(c.FromSeq, c.FromTime), point(c.ToSeq, c.ToTime))
-	asOf := point(c.AsOf.Revision, c.AsOf.Time)
-	if asOf == "end" {
-		asOf = "now"
-	}
-	fmt.Fprintf(&b, " as-of=%s groups=%s", strings.Replace(asOf, "seq:", "rev:", 1), c.Names.Groups)
+	fmt.Fprintf(&b, " groups=%s", c.Names.Groups)
 	if len(c.Partitions) > 0 {
 		fmt.Fprintf(&b, " partitions=%v", c.Partitions)
 	}
@@ -265,7 +254,19 @@ func (r *Replay) spec(srcs []source) string {
 		fmt.Fprintf(&b, " devices=%s", strings.Join(c.Devices, ","))
 	}
 	fmt.Fprintf(&b, " into=%s out=%s dead=%s provenance=%t missing-history=%t", c.Into, c.Layout.Out, c.Layout.Unmapped, !c.NoProvenance, c.AllowMissingHistory)
-	return b.String()
+	shape = b.String()
+	point := func(seq uint64, t time.Time, none string) string {
+		switch {
+		case seq > 0:
+			return strconv.FormatUint(seq, 10)
+		case !t.IsZero():
+			return t.UTC().Format(time.RFC3339Nano)
+		}
+		return none
+	}
+	full = fmt.Sprintf("%s from=%s to=%s as-of=%s", shape, point(c.FromSeq, c.FromTime, "-"), point(c.ToSeq, c.ToTime, "end"),
+		point(c.AsOf.Revision, c.AsOf.Time, "now"))
+	return shape, full
 }
 
 func hashID(spec string) string {
@@ -274,8 +275,8 @@ func hashID(spec string) string {
 }
 
 // checkRecord refuses to resume from a record of another replay, or of streams since re-created.
-func checkRecord(rec record, spec string, srcs []source, id string) error {
-	if rec.Spec == spec {
+func checkRecord(rec record, shape string, srcs []source, id string) error {
+	if rec.Shape == shape {
 		return nil
 	}
 	if len(rec.Sources) == len(srcs) {
@@ -286,7 +287,7 @@ func checkRecord(rec record, spec string, srcs []source, id string) error {
 			}
 		}
 	}
-	return fmt.Errorf("%w: the id %s was used for another replay (%s): choose another --id", ErrConflict, id, rec.Spec)
+	return fmt.Errorf("%w: the id %s was used for another replay (%s): choose another --id", ErrConflict, id, rec.Shape)
 }
 
 // loadTable rebuilds the groups table as of the record's revision, and refuses (or, when
@@ -385,7 +386,7 @@ func (r *Replay) save(ctx context.Context) error {
 }
 
 func (r *Replay) fillSummary() {
-	r.sum.AsOf = r.rec.AsOf
+	r.sum.AsOf, r.sum.DeadLetters = r.rec.AsOf, r.rec.Dead
 	r.sum.Ranges = r.sum.Ranges[:0]
 	for _, s := range r.rec.Sources {
 		r.sum.Ranges = append(r.sum.Ranges, Range{Stream: s.Stream, First: s.First, Last: s.Last})
