@@ -183,3 +183,23 @@ func TestHistoryShorterThanAsked(t *testing.T) {
 		t.Errorf("Run for calm alone: %v, want no complaint about busy", err)
 	}
 }
+
+// Headers follow the live mapper's rules: a device's own Nats-Msg-Id is kept under another name,
+// the Nats-Expected-* headers (which addressed INCOMING) are dropped, the others are copied.
+func TestHeadersAsTheLiveMapperKeepsThem(t *testing.T) {
+	f := newFixture(t, subjects.SingleStream)
+	f.put("dev", "g")
+	m := &nats.Msg{Subject: "incoming.dev.evt", Data: []byte("dev:0"), Header: nats.Header{}}
+	m.Header.Set(nats.MsgIdHdr, "own-1")
+	m.Header.Set("Nats-Expected-Stream", "INCOMING")
+	m.Header.Set("X-Trace", "abc")
+	if _, err := f.js.PublishMsg(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	f.mustRun(f.config())
+	got := f.read("REPLAY")[0].Headers()
+	if got.Get(lanes.HeaderOrigMsgID) != "own-1" || got.Get("Nats-Expected-Stream") != "" || got.Get("X-Trace") != "abc" ||
+		!strings.HasPrefix(got.Get(nats.MsgIdHdr), "replay:") {
+		t.Errorf("replayed headers %v, want %s own-1, no Nats-Expected-Stream, X-Trace abc, the replay's Nats-Msg-Id", got, lanes.HeaderOrigMsgID)
+	}
+}
