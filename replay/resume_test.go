@@ -221,3 +221,56 @@ func TestReplaysAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// A NATS server restarted while a replay publishes loses nothing and stores nothing twice: the
+// replay waits for the connection and resends in order what was not acknowledged.
+func TestServerRestartMidReplay(t *testing.T) {
+	f := newFixture(t, subjects.SingleStream)
+	devs := devices("d", 4)
+	for _, d := range devs {
+		f.put(d, "g")
+	}
+	f.publish(devs, 500) // 2000
+	f.createReplayStream(func(c *jetstream.StreamConfig) { c.Duplicates = time.Minute })
+	// The replay's own connection, as kvmapper dials it: no publishing while reconnecting.
+	nc := f.srv.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectBufSize(-1))
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := f.config()
+	cfg.Create, cfg.MaxRate, cfg.ReportInterval, cfg.PublishTimeout = false, 4000, 10*time.Millisecond, time.Second
+	half := make(chan struct{})
+	var once sync.Once
+	cfg.Progress = func(p replay.Progress) {
+		if p.Done >= 500 {
+			once.Do(func() { close(half) })
+		}
+	}
+	r, err := replay.New(js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-half:
+	case err := <-done:
+		t.Fatalf("Run returned %v before the restart", err)
+	}
+	f.srv = f.srv.Restart()
+	if err := <-done; err != nil {
+		t.Fatalf("Run across a server restart: %v", err)
+	}
+	if s := r.Summary(); !s.Complete {
+		t.Fatalf("replay incomplete after a server restart: %+v", s)
+	}
+	f.nc, f.js = f.srv.JetStream(t)
+	msgs := f.read("REPLAY")
+	perDevice(t, msgs)
+	if len(msgs) != 2000 {
+		t.Errorf("REPLAY holds %d messages, want 2000", len(msgs))
+	}
+}
