@@ -218,7 +218,10 @@ func (r *Replay) Run(ctx context.Context) error {
 			break
 		}
 	}
-	complete := runErr == nil && ctx.Err() == nil
+	complete := runErr == nil
+	for _, s := range r.rec.Sources {
+		complete = complete && s.Done >= s.Last
+	}
 	r.sum.Complete = complete
 	if !r.cfg.DryRun {
 		r.rec.Complete = complete
