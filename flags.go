@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"os"
 	"strings"
@@ -32,6 +33,12 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
 	}
+}
+
+// groupsHistoryFlag is the flag of the commands that run setup.
+func groupsHistoryFlag() cli.Flag {
+	return &cli.IntFlag{Name: "groups-history", Usage: fmt.Sprintf("values per key the groups bucket keeps when setup creates it, 1 to %d: how far back replay --as-of maps every device "+
+		"(default %d; when given, an existing bucket keeping fewer is an error)", setup.MaxGroupsHistory, setup.DefaultGroupsHistory), EnvVars: env("GROUPS_HISTORY")}
 }
 
 func logFlags() []cli.Flag {
@@ -101,6 +108,11 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 			StreamLayout: sl,
 		},
 		Replicas: c.Int("stream-replicas"),
+		// Only setup and run have the flag; elsewhere it reads 0, which checks nothing.
+		GroupsHistory: c.Int("groups-history"),
+	}
+	if h := cfg.GroupsHistory; h < 0 || h > setup.MaxGroupsHistory {
+		return setup.Config{}, usagef("invalid value %d for flag --groups-history: a bucket keeps 1 to %d values per key", h, setup.MaxGroupsHistory)
 	}
 	cfg.Defaults()
 	return cfg, nil

@@ -50,6 +50,7 @@ func runCommand() *cli.Command {
 			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
 			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
 			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
+			groupsHistoryFlag(),
 		}, layoutFlags(), logFlags()),
 		Action: runAction,
 	}
@@ -61,7 +62,7 @@ func setupCommand() *cli.Command {
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
 			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags()),
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
