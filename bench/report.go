@@ -44,28 +44,31 @@ func (r *Report) WriteText(w io.Writer) error {
 			p("%s\t%d\t%.0f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%s", c.Name, c.Messages, c.MsgsPerSec, float64(c.Seconds), float64(c.Startup),
 				float64(c.ServerCPU), float64(c.ClientCPU), c.CPUPerMsg(), ratio)
 		}
-		p("kvmapper allocations: %.1f allocs/msg, %.0f B/msg (this process, whole pipeline)", t.AllocsPerMsg, t.BytesPerMsg)
-		target := func(name, what string, want float64) string {
-			x, ok := t.Ratio[name]
-			if !ok {
-				return what + ": not run"
+		// Without kvmapper in the run there are no allocations, ratios or targets to show.
+		if t.Get(KVMapper).Messages > 0 {
+			p("kvmapper allocations: %.1f allocs/msg, %.0f B/msg (this process, whole pipeline)", t.AllocsPerMsg, t.BytesPerMsg)
+			target := func(name, what string, want float64) string {
+				x, ok := t.Ratio[name]
+				if !ok {
+					return what + ": not run"
+				}
+				return fmt.Sprintf("≥ %g× %s: %s (%.2f)", want, what, mark(x >= want), x)
 			}
-			return fmt.Sprintf("≥ %g× %s: %s (%.2f)", want, what, mark(x >= want), x)
-		}
-		naive := target(Naive, "naive", Targets.RatioNaive)
-		if _, ok := t.Ratio[Naive]; !ok && r.StreamLayout == "streams" {
-			naive = "naive: not run (its one consumer reads one stream)"
-		}
-		p("targets: %s; %s; %s", target(Copy, "copy", Targets.RatioCopy), target(Transform, "transform", Targets.RatioTransform), naive)
-		var more []string
-		if x, ok := t.Ratio[RelayCeiling]; ok {
-			more = append(more, fmt.Sprintf("≥ %g× relay ceiling: %s (%.2f)", Issue10.RatioCeiling, mark(x >= Issue10.RatioCeiling), x))
-		}
-		if x, ok := t.Ratio[HandWritten]; ok {
-			more = append(more, fmt.Sprintf("≥ %g× hand-written: %s (%.2f)", Issue10.RatioHandWritten, mark(x >= Issue10.RatioHandWritten), x))
-		}
-		if len(more) > 0 {
-			p("targets (issue 10): %s", strings.Join(more, "; "))
+			naive := target(Naive, "naive", Targets.RatioNaive)
+			if _, ok := t.Ratio[Naive]; !ok && r.StreamLayout == "streams" {
+				naive = "naive: not run (its one consumer reads one stream)"
+			}
+			p("targets: %s; %s; %s", target(Copy, "copy", Targets.RatioCopy), target(Transform, "transform", Targets.RatioTransform), naive)
+			var more []string
+			if x, ok := t.Ratio[RelayCeiling]; ok {
+				more = append(more, fmt.Sprintf("≥ %g× relay ceiling: %s (%.2f)", Issue10.RatioCeiling, mark(x >= Issue10.RatioCeiling), x))
+			}
+			if x, ok := t.Ratio[HandWritten]; ok {
+				more = append(more, fmt.Sprintf("≥ %g× hand-written: %s (%.2f)", Issue10.RatioHandWritten, mark(x >= Issue10.RatioHandWritten), x))
+			}
+			if len(more) > 0 {
+				p("targets (issue 10): %s", strings.Join(more, "; "))
+			}
 		}
 	}
 	if l := r.Latency; l != nil {
