@@ -255,3 +255,35 @@ func TestBatchSizeIsUnbounded(t *testing.T) {
 		t.Fatalf("OUTGOING holds %d, want %d", got, n)
 	}
 }
+
+// TestServerRestartForgetsTheBatch: open batches live in the server's memory. After a restart
+// of a single server the stored messages are there, the batch is not: its next message is refused
+// as an unknown batch (10208), and a client that lost answers cannot learn from the server what
+// of it was stored, beyond reading the stream.
+func TestServerRestartForgetsTheBatch(t *testing.T) {
+	s, _, _ := outgoing(t, nil)
+	reconnected := make(chan struct{}, 1)
+	nc := s.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond),
+		nats.ReconnectHandler(func(*nats.Conn) { reconnected <- struct{}{} }))
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := newBatch(t, nc, 2, false)
+	for i := 1; i <= 4; i++ {
+		b.add(msg("outgoing.g.dev.t", "v-"+strconv.Itoa(i)))
+	}
+	for a := b.next(wait); a.Seq < 4; a = b.next(wait) {
+	}
+	s.Restart()
+	select {
+	case <-reconnected:
+	case <-time.After(wait):
+		t.Fatal("no reconnect")
+	}
+	b.add(msg("outgoing.g.dev.t", "v-5"))
+	if a := b.next(wait); a.Error == nil || a.Error.ErrorCode != 10208 {
+		t.Fatalf("message 5 after the restart: %s, want error 10208 (batch unknown)", a)
+	}
+	sameIDs(t, "OUTGOING", stored(t, js, "OUTGOING"), ids("v-", 1, 4))
+}
