@@ -98,11 +98,17 @@ type Config struct {
 	// FailoverReplicas is how many child replicas the failover run starts. Default 3.
 	FailoverReplicas int
 
+	// Contenders lists the throughput contenders to run, by name (see [Keys]); all by default.
+	Contenders []string
+	// Profile names the throughput contender the profiles below cover. Default [KVMapper].
+	Profile string
+
 	// Child makes the command of a kvmapper replica as a child process. Required for failover.
 	Child ChildFunc
 
 	// CPUProfile, if set, receives a CPU profile of this process during the kvmapper throughput
-	// phase (from the replicas' table being loaded until OUTGOING holds every message).
+	// phase (from the replicas' table being loaded until OUTGOING holds every message), or the
+	// phase of the contender Profile names.
 	CPUProfile io.Writer
 	// MemProfileBase and MemProfile, if set, receive the allocation profile at the start and at
 	// the end of the kvmapper throughput phase: `go tool pprof -base` of the two shows only what
@@ -141,6 +147,14 @@ func (c *Config) setDefaults() error {
 	if len(c.Only) == 0 {
 		c.Only = All
 	}
+	if len(c.Contenders) == 0 {
+		for _, k := range Keys {
+			c.Contenders = append(c.Contenders, k.Name)
+		}
+	}
+	if c.Profile == "" {
+		c.Profile = KVMapper
+	}
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, a...)...)
 	}
@@ -149,7 +163,14 @@ func (c *Config) setDefaults() error {
 			return bad("no sub-benchmark %q (choose among %s)", o, strings.Join(All, ", "))
 		}
 	}
+	for _, n := range c.Contenders {
+		if !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == n }) {
+			return bad("no contender %q", n)
+		}
+	}
 	switch {
+	case !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == c.Profile }):
+		return bad("no contender %q to profile", c.Profile)
 	case c.URL == "":
 		return bad("URL is required")
 	case c.Messages < 1, c.NaiveMessages < 1, c.Devices < 1, c.Replicas < 1, c.Rate < 1, c.Changes < 1,
