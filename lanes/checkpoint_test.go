@@ -13,6 +13,23 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
+// droppingPool is a pool on a connection of its own, whose publishes drop can make vanish.
+func (f *fixture) droppingPool(cfg lanes.Config) (*lanes.Pool, *natstest.Dropper) {
+	f.t.Helper()
+	drop := &natstest.Dropper{}
+	_, js := f.srv.JetStream(f.t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond),
+		nats.ReconnectBufSize(-1), nats.SetCustomDialer(drop))
+	ctl, err := js.KeyValue(context.Background(), "kvmapper")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	pool, err := lanes.New(js, ctl, f.groups.lookup, f.config(cfg))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return pool, drop
+}
+
 // A checkpoint write whose answer does not come (a replicated control bucket electing a leader
 // answers nothing for seconds; the write gives up after 5s) must not hold the lane up: messages
 // keep being mapped meanwhile, and once the bucket answers again the checkpoint catches up.
@@ -21,19 +38,8 @@ func TestUnansweredCheckpointWriteDoesNotBlockTheLane(t *testing.T) {
 	dev := "dev-1"
 	p := subjects.Partition(dev, 16)
 	f.groups.set(dev, "g")
-	// The lane's own connection, whose checkpoint writes the test can make go unanswered.
-	var drop natstest.Dropper
-	_, js := f.srv.JetStream(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond),
-		nats.ReconnectBufSize(-1), nats.SetCustomDialer(&drop))
-	ctx := context.Background()
-	ctl, err := js.KeyValue(ctx, "kvmapper")
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool, err := lanes.New(js, ctl, f.groups.lookup, f.config(lanes.Config{CheckpointInterval: 20 * time.Millisecond}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The lane's checkpoint writes are to go unanswered.
+	pool, drop := f.droppingPool(lanes.Config{CheckpointInterval: 20 * time.Millisecond})
 	_, res := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1})
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if len(pool.Partitions()) != 1 {

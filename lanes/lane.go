@@ -77,13 +77,14 @@ type lane struct {
 	cpDone chan cpResult
 	cpWG   sync.WaitGroup
 
-	q       []*entry      // in flight, in stream order
-	held    *entry        // consumed and prepared, waiting for room in the pool's window
-	grant   grant         // what the lane holds of the pool's window
-	ro      reorders      // finds the messages this lane stored out of their device's order
-	failed  bool          // some entry failed: resend before sending anything new
-	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
-	backoff time.Duration
+	q        []*entry      // in flight, in stream order
+	held     *entry        // consumed and prepared, waiting for room in the pool's window
+	grant    grant         // what the lane holds of the pool's window
+	ro       reorders      // finds the messages this lane stored out of their device's order
+	failed   bool          // some entry failed: resend before sending anything new
+	answered time.Time     // when anything last came on the acknowledgement inbox (see [lane.expire])
+	timeout  time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
+	backoff  time.Duration
 
 	free []*entry       // settled entries, reused: most of a message's allocations are its entry
 	acks chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
