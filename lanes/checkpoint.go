@@ -190,8 +190,11 @@ func (l *lane) applyCheckpoint(r cpResult) error {
 // writeCheckpoint writes w.seq with compare-and-set on w.rev, the revision of the lane's own last
 // write. A conflict means a newer owner has fenced the partition, unless the stored value is one
 // of the lane's own writes of unknown outcome (adopt) or the key is gone (restore); otherwise the
-// lane stops, which is the safe side (its owner restarts it from what is stored). It touches no
-// state of the lane: it runs on a goroutine of its own.
+// lane stops, which is the safe side (its owner restarts it from what is stored). What conflicted
+// is read from the control bucket's leader: a replica behind it could show an older value and
+// make the lane stop for nothing. A conflict it cannot read back is a write of unknown outcome,
+// tried again at the next tick. It touches no state of the lane: it runs on a goroutine of its
+// own.
 func (l *lane) writeCheckpoint(w cpWrite) cpResult {
 	// Not cancelled with the lane: a write cut short by cancellation may still be applied, and the
 	// lane's next write would then conflict with its own and read as fencing.
@@ -206,11 +209,16 @@ func (l *lane) writeCheckpoint(w cpWrite) cpResult {
 	case !kvcas.IsConflict(err):
 		return cpResult{w: w, outcome: cpFailed, err: err}
 	}
-	if rev, ok := l.adopt(ctx, w.unsure); ok {
-		return cpResult{w: w, outcome: cpAdopted, rev: rev}
-	}
-	if rev, ok := l.restore(ctx, val, w.seq); ok {
-		return cpResult{w: w, outcome: cpRestored, rev: rev}
+	m, err := kvcas.Latest(ctx, l.p.js, l.p.ctl.Bucket(), l.key)
+	switch {
+	case errors.Is(err, kvcas.ErrNotFound) || err == nil && kvcas.Deleted(m):
+		if rev, ok := l.restore(ctx, val, w.seq); ok {
+			return cpResult{w: w, outcome: cpRestored, rev: rev}
+		}
+	case err != nil:
+		return cpResult{w: w, outcome: cpFailed, err: fmt.Errorf("the checkpoint write conflicted, and reading it back failed: %w", err)}
+	case l.adoptable(m, w.unsure):
+		return cpResult{w: w, outcome: cpAdopted, rev: m.Sequence}
 	}
 	return cpResult{w: w, outcome: cpFenced, err: fmt.Errorf("%w: checkpoint of partition %d was written by another owner", ErrFenced, l.a.Partition)}
 }
@@ -218,25 +226,18 @@ func (l *lane) writeCheckpoint(w cpWrite) cpResult {
 // maxUnsure bounds the checkpoint writes of unknown outcome a lane remembers.
 const maxUnsure = 64
 
-// adopt handles a checkpoint conflict that may be the lane's own doing: a write whose answer was
-// lost (a timeout, a reconnect) but which the server applied. If the lease still holds by the
-// lane's own clock and the stored value is one of those writes (unsure), it returns the stored
-// revision for the lane to take as its own. A new owner's fence writes back the value it read,
-// which could equal one of them too; but a new owner claims only after the lease expired on the
-// server, and the lane's clock says invalid before that.
-func (l *lane) adopt(ctx context.Context, unsure []uint64) (uint64, bool) {
+// adoptable tells whether the stored checkpoint m, which a write conflicted with, may be the
+// lane's own doing: a write whose answer was lost (a timeout, a reconnect) but which the server
+// applied. It is if the lease still holds by the lane's own clock and m holds one of those
+// writes (unsure); the lane then takes m's revision as its own. A new owner's fence writes back
+// the value it read, which could equal one of them too; but a new owner claims only after the
+// lease expired on the server, and the lane's clock says invalid before that.
+func (l *lane) adoptable(m *jetstream.RawStreamMsg, unsure []uint64) bool {
 	if !l.valid() || len(unsure) == 0 {
-		return 0, false
+		return false
 	}
-	e, err := l.p.ctl.Get(ctx, l.key)
-	if err != nil {
-		return 0, false
-	}
-	stored, err := ParseCheckpoint(e.Value())
-	if err != nil || stored.Incarnation != l.inc || !slices.Contains(unsure, stored.Seq) {
-		return 0, false
-	}
-	return e.Revision(), true
+	stored, err := ParseCheckpoint(m.Data)
+	return err == nil && stored.Incarnation == l.inc && slices.Contains(unsure, stored.Seq)
 }
 
 // restore writes the checkpoint again when its key is gone: the control bucket was deleted and
@@ -246,9 +247,6 @@ func (l *lane) adopt(ctx context.Context, unsure []uint64) (uint64, bool) {
 // writes is a true acknowledged prefix, which the next owner then resumes after. It returns the
 // revision written.
 func (l *lane) restore(ctx context.Context, val []byte, seq uint64) (uint64, bool) {
-	if _, err := l.p.ctl.Get(ctx, l.key); !errors.Is(err, jetstream.ErrKeyNotFound) {
-		return 0, false
-	}
 	rev, err := l.p.ctl.Create(ctx, l.key, val)
 	if err != nil {
 		return 0, false
