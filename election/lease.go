@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
-	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // Lease is one partition owned by this replica, handed to [Work].
@@ -193,7 +192,9 @@ const epochHeader = "Kvmapper-Lease-Epoch"
 // and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself. It waits
 // for an answer until the next renewal is due, and never past the lease clock, so that after an
 // answer lost on the way (a timeout, a reconnect) there is time for another attempt; that
-// attempt's conflict with the lost renewal is resolved by adopt.
+// attempt's conflict with the lost renewal is resolved by adopt. A conflict it cannot resolve
+// is returned as one (the lease is lost); a conflict whose cause cannot be read is returned as
+// another error, and the lease holds until the next renewal or its clock says otherwise.
 func (h *holder) renew() error {
 	e, l := h.e, h.lease
 	timeout := min(l.remaining(), e.cfg.RenewInterval)
@@ -203,8 +204,13 @@ func (h *holder) renew() error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	sent, ack, err := h.publishRenewal(ctx)
-	if kvcas.IsConflict(err) && h.adopt(ctx) {
-		sent, ack, err = h.publishRenewal(ctx)
+	if kvcas.IsConflict(err) {
+		switch adopted, rerr := h.adopt(ctx); {
+		case rerr != nil:
+			return fmt.Errorf("election: renewal of %s conflicted, and reading the lease back failed: %w", h.key, rerr)
+		case adopted:
+			sent, ack, err = h.publishRenewal(ctx)
+		}
 	}
 	if err != nil {
 		return err
@@ -236,35 +242,36 @@ func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.
 // replica's id as the value, the claim's epoch in its header, a revision past the holder's), the
 // holder takes that revision as its own and adopt reports true. Anything else stored (a delete,
 // an expiry marker, another replica's claim, a claim by another process with the same id) means
-// the lease is lost, and so does a failure to read it.
-func (h *holder) adopt(ctx context.Context) bool {
+// the lease is lost, and adopt reports false. It reads the lease from the bucket's leader: a
+// replica that has not applied the latest renewal yet would show an older revision, and a live
+// lease would be given up. A failed read is returned as an error: it says nothing of the lease.
+func (h *holder) adopt(ctx context.Context) (bool, error) {
 	e, l := h.e, h.lease
 	if !l.Valid() {
-		return false
+		return false, nil
 	}
 	m, err := h.stored(ctx)
+	if errors.Is(err, kvcas.ErrNotFound) {
+		return false, nil
+	}
 	if err != nil {
 		e.log.Debug().Err(err).Int("partition", l.Partition).Msg("reading the lease after a conflict failed")
-		return false
+		return false, err
 	}
-	if m.Sequence <= h.rev || string(m.Data) != e.cfg.ReplicaID ||
+	if m.Sequence <= h.rev || string(m.Data) != e.cfg.ReplicaID || kvcas.Deleted(m) ||
 		m.Header.Get(epochHeader) != strconv.FormatUint(l.Epoch, 10) {
-		return false
+		return false, nil
 	}
 	e.log.Info().Int("partition", l.Partition).Uint64("epoch", l.Epoch).Uint64("revision", m.Sequence).
 		Uint64("expected", h.rev).Msg("adopting a lease renewal whose answer was lost")
 	h.rev = m.Sequence
-	return true
+	return true, nil
 }
 
 // stored reads the lease key's last message with its headers, which jetstream.KeyValue does not
-// show, from the bucket's stream.
+// show, from the leader of the bucket's stream.
 func (h *holder) stored(ctx context.Context) (*jetstream.RawStreamMsg, error) {
-	s, err := h.e.js.Stream(ctx, subjects.BucketStream(h.e.kv.Bucket()))
-	if err != nil {
-		return nil, fmt.Errorf("election: opening the stream of bucket %s: %w", h.e.kv.Bucket(), err)
-	}
-	m, err := s.GetLastMsgForSubject(ctx, h.subject)
+	m, err := kvcas.Latest(ctx, h.e.js, h.e.kv.Bucket(), h.key)
 	if err != nil {
 		return nil, fmt.Errorf("election: reading %s: %w", h.key, err)
 	}
@@ -278,8 +285,10 @@ func (h *holder) delete() {
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.LeaseTTL)
 	defer cancel()
 	err := e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
-	if kvcas.IsConflict(err) && h.adopt(ctx) {
-		err = e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+	if kvcas.IsConflict(err) {
+		if adopted, _ := h.adopt(ctx); adopted {
+			err = e.kv.Delete(ctx, h.key, jetstream.LastRevision(h.rev))
+		}
 	}
 	h.lease.revoke()
 	if err != nil {

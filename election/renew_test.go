@@ -306,3 +306,75 @@ func TestSameIDWriterIsNotAdopted(t *testing.T) {
 		t.Fatalf("Work still running %v after another writer took lease.0 under the same id", 3*ttl)
 	}
 }
+
+// TestUnreadableLeaseAfterAConflictIsNotLost has the holder's renewal conflict with a renewal of
+// its own claim that it did not make itself (as a renewal whose answer was lost), while the
+// holder cannot read the lease back: it must not take that for a lost lease, and must adopt the
+// renewal once it can read it, within its lease clock.
+func TestUnreadableLeaseAfterAConflictIsNotLost(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	kv := newBucket(t, js)
+	drop := &natstest.Dropper{}
+	nc, rjs := srv.JetStream(t, nats.SetCustomDialer(drop))
+	leases := make(chan *election.Lease, 1)
+	ends := make(chan error, 1)
+	r := runReplica(t, nc, rjs, "a", 1, func(ctx context.Context, l *election.Lease) error {
+		leases <- l
+		<-ctx.Done()
+		ends <- context.Cause(ctx)
+		return nil
+	}, func(c *election.Config) { c.LeaseTTL = gatedTTL })
+	var l *election.Lease
+	select {
+	case l = <-leases:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("partition 0 not claimed within 10s")
+	}
+
+	drop.Drop("$JS.API.STREAM.MSG.GET.")
+	ctx := context.Background()
+	var injected uint64
+	natstest.Eventually(t, 5*time.Second, func() error {
+		ent, err := kv.Get(ctx, "lease.0")
+		if err != nil {
+			return err
+		}
+		m := nats.NewMsg("$KV." + bucket + ".lease.0")
+		m.Data = []byte("a")
+		m.Header.Set("Kvmapper-Lease-Epoch", strconv.FormatUint(l.Epoch, 10))
+		// A renewal may land between the Get and this write: then try again.
+		ack, err := js.PublishMsg(ctx, m, jetstream.WithMsgTTL(gatedTTL), jetstream.WithExpectLastSequencePerSubject(ent.Revision()))
+		if err != nil {
+			return err
+		}
+		injected = ack.Sequence
+		return nil
+	})
+	natstest.Eventually(t, 2*gatedTTL, func() error {
+		if drop.Dropped() == 0 {
+			return errors.New("the holder has not tried to read the lease back yet")
+		}
+		return nil
+	})
+	drop.Drop("")
+	natstest.Eventually(t, 2*gatedTTL, func() error {
+		select {
+		case cause := <-ends:
+			t.Fatalf("Work ended with cause %v after an unreadable conflict, want partition 0 kept", cause)
+		default:
+		}
+		ent, err := kv.Get(ctx, "lease.0")
+		if err != nil {
+			return err
+		}
+		if ent.Revision() <= injected {
+			return fmt.Errorf("lease.0 at revision %d, want a renewal after the one at %d", ent.Revision(), injected)
+		}
+		return nil
+	})
+	if !l.Valid() || !slices.Equal(r.e.Owned(), []int{0}) {
+		t.Errorf("Valid() = %v, Owned() = %v; want the lease kept", l.Valid(), r.e.Owned())
+	}
+	t.Logf("%d reads of the lease dropped; renewal of revision %d adopted", drop.Dropped(), injected)
+}

@@ -41,8 +41,9 @@ var (
 			// push consumers: $JS.FC answers the server's flow control when a watch has a backlog)
 			"$JS.API.CONSUMER.CREATE.KV_device-groups.>", "$JS.API.CONSUMER.DELETE.KV_device-groups.*", "$JS.FC.KV_device-groups.>",
 			"$JS.API.CONSUMER.CREATE.KV_kvmapper.>", "$JS.API.CONSUMER.DELETE.KV_kvmapper.*", "$JS.FC.KV_kvmapper.>",
-			// leases, members, checkpoints: read, create, update, delete
-			"$JS.API.DIRECT.GET.KV_kvmapper.>", "$KV.kvmapper.>",
+			// leases, members, checkpoints: read, create, update, delete; and what a
+			// compare-and-set ran into, read from the bucket's leader
+			"$JS.API.DIRECT.GET.KV_kvmapper.>", "$KV.kvmapper.>", "$JS.API.STREAM.MSG.GET.KV_kvmapper",
 			// the work, and the ownership events (--events-subject)
 			"outgoing.>", "unmapped.>", "kvmapper.events.ownership",
 		},

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
@@ -177,4 +178,46 @@ func TestIdleLaneMapsAtOnce(t *testing.T) {
 	f.waitOrDump(pool, "OUTGOING", 2, 15*time.Second) // the next tick is a minute away
 	checkOrder(t, f.read("OUTGOING", 2), []string{"dev-1"}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
 	t.Logf("the second message after an idle spell was mapped in %v", time.Since(start))
+}
+
+// When a lane's ordered consumer resets, nats.go creates its next consumer under one name and,
+// by default, retries that name for ever; on a cluster the meta leader can place it on a server
+// that has just died, and the name then never answers. Here the name is taken by a consumer the
+// reset cannot turn into its own: after one failed attempt the lane must read on through a new
+// ordered consumer, under a new name.
+func TestConsumerResetThatCannotSucceedStartsANewConsumer(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-1"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	pool := f.newPool(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond})
+	runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1})
+	f.publish([]string{dev}, 1, nil)
+	f.read("OUTGOING", 1)
+
+	ctx := context.Background()
+	s, err := f.js.Stream(ctx, "INCOMING")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for name := range s.ListConsumers(ctx).Info() {
+		names = append(names, name.Name)
+	}
+	if len(names) != 1 || !strings.HasSuffix(names[0], "_1") {
+		t.Fatalf("INCOMING's consumers are %q, want the lane's first ordered consumer, <prefix>_1", names)
+	}
+	// The name the reset will use, taken by a consumer whose acknowledgement policy an update
+	// cannot change; then the lane's consumer goes, which resets it.
+	next := strings.TrimSuffix(names[0], "_1") + "_2"
+	if _, err := s.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: next, AckPolicy: jetstream.AckExplicitPolicy,
+		FilterSubject: f.lay.Filter(p), InactiveThreshold: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeleteConsumer(ctx, names[0]); err != nil {
+		t.Fatal(err)
+	}
+	f.publishFrom([]string{dev}, 1, 1, nil)
+	f.waitOrDump(pool, "OUTGOING", 2, 15*time.Second)
+	checkOrder(t, f.read("OUTGOING", 2), []string{dev}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
 }

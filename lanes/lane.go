@@ -71,13 +71,20 @@ type lane struct {
 	dirtySince   time.Time // when acked last moved past checkpointed
 	unsure       []uint64  // checkpoints written since the last success whose outcome is unknown
 
-	q       []*entry      // in flight, in stream order
-	held    *entry        // consumed and prepared, waiting for room in the pool's window
-	grant   grant         // what the lane holds of the pool's window
-	ro      reorders      // finds the messages this lane stored out of their device's order
-	failed  bool          // some entry failed: resend before sending anything new
-	timeout time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
-	backoff time.Duration
+	// The checkpoint write in flight, at most one (see [lane.startCheckpoint]): cpBusy says
+	// there is one, cpDone (capacity 1) receives its outcome, cpWG waits for its goroutine.
+	cpBusy bool
+	cpDone chan cpResult
+	cpWG   sync.WaitGroup
+
+	q        []*entry      // in flight, in stream order
+	held     *entry        // consumed and prepared, waiting for room in the pool's window
+	grant    grant         // what the lane holds of the pool's window
+	ro       reorders      // finds the messages this lane stored out of their device's order
+	failed   bool          // some entry failed: resend before sending anything new
+	answered time.Time     // when anything last came on the acknowledgement inbox (see [lane.expire])
+	timeout  time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
+	backoff  time.Duration
 
 	free []*entry       // settled entries, reused: most of a message's allocations are its entry
 	acks chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
@@ -125,6 +132,8 @@ func (l *lane) run(ctx context.Context) error {
 		return err
 	}
 	l.acked, l.checkpointed = start, start
+	l.cpDone = make(chan cpResult, 1)
+	defer l.cpWG.Wait()
 	l.ro.takeover = maxWindow
 	l.grant.wake = make(chan struct{}, 1)
 	l.handoff.room = make(chan struct{}, 1)
@@ -209,13 +218,15 @@ func (l *lane) run(ctx context.Context) error {
 		case <-wake:
 		case m := <-l.acks:
 			l.acknowledge(m)
-		case now := <-tick.C:
-			l.drainAcks()
-			l.expire(now)
-			if err := l.checkpoint(ctx); err != nil {
+		case r := <-l.cpDone:
+			if err := l.applyCheckpoint(r); err != nil {
 				stopReading()
 				return l.stop(err)
 			}
+		case now := <-tick.C:
+			l.drainAcks()
+			l.expire(now)
+			l.startCheckpoint()
 		}
 	}
 }
@@ -344,11 +355,9 @@ func (l *lane) stop(why error) error {
 	left := len(l.q)
 	l.q, l.held = nil, nil
 	l.stats.inFlight.Store(0)
-	cctx, ccancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer ccancel()
 	// Written even when the prefix did not move: a checkpoint key that vanished with a re-created
 	// control bucket is restored from this lane's position (see restore).
-	if err := l.writeCheckpoint(cctx); err != nil && why == nil {
+	if err := l.finalCheckpoint(); err != nil && why == nil {
 		why = err
 	}
 	ev := l.log.Debug()

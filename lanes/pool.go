@@ -57,6 +57,12 @@ type Config struct {
 	CheckpointInterval time.Duration
 	// PublishTimeout is how long a publish may wait for its acknowledgement. Default 5s.
 	PublishTimeout time.Duration
+	// StallTimeout is how long a lane waits with publishes in flight and no answer at all from
+	// the server before it takes every publish in flight for lost and resends them in order,
+	// first one alone. A stream whose leader died answers nothing until it has a new one (4–9 s
+	// on a cluster) and then stores whatever comes next: without this, what the lane sent after
+	// the lost messages would be stored first. Default 1s; negative turns it off.
+	StallTimeout time.Duration
 	// DrainTimeout bounds how long a stopping lane waits for its in-flight publishes. Default 10s.
 	DrainTimeout time.Duration
 	// Heartbeat is the ordered consumer's idle heartbeat: a dead server is noticed after about
@@ -115,6 +121,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = 5 * time.Second
+	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = time.Second
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = 10 * time.Second

@@ -27,6 +27,13 @@ var (
 	errNoStream = errors.New("lanes: no stream captures the subject (does OUTGOING/UNMAPPED exist? run kvmapper setup)")
 	// errBadAck marks an acknowledgement the lane cannot read.
 	errBadAck = errors.New("lanes: unreadable acknowledgement")
+	// errStalled marks a publish in flight when the server had answered nothing for
+	// StallTimeout: the output stream has likely lost its leader.
+	errStalled = errors.New("lanes: no answer from the server within the stall timeout (the stream may have no leader)")
+	// errOvertaken marks a publish that a later one to the same stream, on the same connection,
+	// overtook: the stream answers in the order it stores, so the earlier one was lost (a
+	// leader that stepped down drops what it had queued).
+	errOvertaken = errors.New("lanes: a later publish was stored first: this one was lost (the stream changed leader)")
 )
 
 // subscribeAcks subscribes the lane's inbox. The channel holds twice the pool's in-flight bound:
@@ -80,6 +87,7 @@ func (l *lane) drainAcks() {
 // already settled or gone, change nothing: an entry is resent only after it failed, and a late
 // "stored" for it would mean the resend is a duplicate anyway.
 func (l *lane) acknowledge(m *nats.Msg) {
+	l.answered = time.Now()
 	seq, err := strconv.ParseUint(m.Subject[strings.LastIndexByte(m.Subject, '.')+1:], 10, 64)
 	if err != nil {
 		return
@@ -96,8 +104,27 @@ func (l *lane) acknowledge(m *nats.Msg) {
 	e.acked = true
 	if !e.duplicate {
 		l.ro.noteNew(e)
+		l.overtaken(e)
 	}
 	l.timeout = l.p.cfg.PublishTimeout
+}
+
+// overtaken fails the publishes that e, just stored as new, overtook: sent before it on the same
+// connection to the same stream and still unanswered. A stream stores one connection's publishes
+// in the order they arrive and answers in that order (a duplicate or an error is answered at
+// once, before anything sent after it is stored), so they cannot be answered any more: a leader
+// that steps down drops what it had queued, and the new one stores what comes next. e is stored
+// ahead of them already; resending them now keeps what follows from being stored ahead too.
+func (l *lane) overtaken(e *entry) {
+	for _, x := range l.q {
+		if x == e {
+			return
+		}
+		if !x.settled() && x.gen == e.gen && streamOf(x) == streamOf(e) && !x.sent.After(e.sent) {
+			x.err = errOvertaken
+			l.failed = true
+		}
+	}
 }
 
 // find returns the in-flight entry of INCOMING sequence seq, or nil. Acknowledgements come in
@@ -125,11 +152,16 @@ func (l *lane) find(seq uint64) *entry {
 }
 
 // expire fails the entries whose acknowledgement cannot come any more: those sent on a
-// connection that has since been replaced, and those older than the current acknowledgement
-// timeout (PublishTimeout, longer after rounds of timeouts in a row).
+// connection that has since been replaced, those older than the current acknowledgement timeout
+// (PublishTimeout, longer after rounds of timeouts in a row) and, when the server has answered
+// nothing for StallTimeout although the oldest of them was sent longer ago than that, all of
+// them: a stream whose leader died stores nothing until it has a new one, and then stores what
+// comes next, so they must be resent before anything new is.
 func (l *lane) expire(now time.Time) {
 	gen := l.p.generation()
-	timedOut := false
+	stall := l.p.cfg.StallTimeout
+	stalled := stall > 0 && now.Sub(l.answered) > stall
+	timedOut, lost := false, false
 	for _, e := range l.q {
 		switch {
 		case e.settled():
@@ -140,6 +172,11 @@ func (l *lane) expire(now time.Time) {
 			e.err = errAckTimeout
 			l.failed = true
 			timedOut = true
+		case stalled && (lost || now.Sub(e.sent) > stall):
+			// Once one is taken for lost, so is every later one: it must not be stored
+			// before that one's resend.
+			e.err = errStalled
+			l.failed, lost = true, true
 		}
 	}
 	if timedOut {

@@ -17,15 +17,19 @@ import (
 
 // read consumes the lane's partition from its stream (INCOMING filtered, or INCOMING-<p>) in
 // stream order, starting at sequence next, and hands each message to out until ctx is done. The
-// ordered consumer recreates itself on reconnects, gaps and a deleted consumer; read recreates it
-// from the last sequence it handed on when the consumer gives up for any other reason (the
-// stream was deleted, say).
+// ordered consumer recreates itself on reconnects, gaps, missed heartbeats and a deleted
+// consumer, once (see [resetAttempts]); read creates a new one from the last sequence it handed
+// on when that fails or the consumer gives up for any other reason (the stream was deleted, say).
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
 	for ctx.Err() == nil {
+		from := next
 		err := l.consume(ctx, &next, out)
 		if ctx.Err() != nil {
 			return
+		}
+		if next != from {
+			backoff = l.p.cfg.RetryBackoff // it read again since the last failure
 		}
 		if errors.Is(err, ErrIncomingRecreated) {
 			select {
@@ -49,10 +53,19 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	}
 }
 
+// resetAttempts is how many times an ordered consumer tries to recreate itself after a reset
+// before its iterator fails. nats.go's default is for ever, under one name: on a cluster, a
+// consumer recreated within seconds of a server's crash can be placed on that server (the meta
+// leader takes a crashed server for offline only once its heartbeats have been missing for
+// minutes: nats-server 2.15 events.go, orphMax = 5 × 30s), and every attempt at that name then
+// waits for an answer that never comes. A new ordered consumer has a new name, placed again.
+const resetAttempts = 1
+
 func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
 	occ := jetstream.OrderedConsumerConfig{
-		DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:   *next,
+		DeliverPolicy:    jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:      *next,
+		MaxResetAttempts: resetAttempts,
 	}
 	if l.filter != "" {
 		// One filter subject: a filtered read walks the stream, and more filters cost more.

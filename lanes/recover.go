@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 )
 
@@ -13,17 +14,26 @@ import (
 // one that was not acknowledged. Messages the server had stored are dropped by OUTGOING as
 // duplicates of their Nats-Msg-Id; the others are stored now, in order. A message OUTGOING
 // refuses for good (too large, not allowed) is dead-lettered instead.
+//
+// When a publish went unanswered (a timeout, a stall, a reconnect, no stream listening: the
+// stream may have no leader), the first message is resent alone, and the rest only once it is
+// stored: a stream that gets its leader back in the middle of a round would store the end of
+// the round and lose its start, whose resend would then land behind it.
 func (l *lane) recover(ctx context.Context) error {
 	if err := l.settle(ctx); err != nil {
 		return nil // ctx is done: the caller stops the lane
 	}
 	l.popSettled()
 	var first error
+	probe := false
 	for _, e := range l.q {
-		if e.err != nil {
-			first = e.err
-			break
+		if e.err == nil {
+			continue
 		}
+		if first == nil {
+			first = e.err
+		}
+		probe = probe || unanswered(e.err)
 	}
 	if first == nil {
 		l.failed = false
@@ -34,6 +44,10 @@ func (l *lane) recover(ctx context.Context) error {
 		l.backoff = l.p.cfg.RetryBackoff
 	} else {
 		l.backoff = min(2*l.backoff, l.p.cfg.MaxRetryBackoff)
+	}
+	if probe {
+		// A stream electing a leader is asked again often enough to resume soon after.
+		l.backoff = min(l.backoff, maxProbeBackoff)
 	}
 	l.p.warn("publish", func(ev *zerolog.Event) {
 		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
@@ -74,8 +88,43 @@ func (l *lane) recover(ctx context.Context) error {
 		if e.err != nil {
 			break // not even sent: the next round starts here
 		}
+		if probe {
+			probe = false
+			if !l.probed(ctx, e) {
+				return nil // the next round starts from it again, or the lane stops
+			}
+		}
 	}
 	return nil
+}
+
+// maxProbeBackoff bounds the pause between resend rounds that start with a probe, so that a
+// stream that elected a new leader is written again within about this.
+const maxProbeBackoff = 500 * time.Millisecond
+
+// unanswered tells a failure that says nothing about the message from one the stream answered:
+// a timeout, a stall, a publish that was overtaken, a reconnect, no stream listening. After one,
+// the stream may be without a leader.
+func unanswered(err error) bool {
+	var apiErr *jetstream.APIError
+	return !errors.As(err, &apiErr)
+}
+
+// probed waits until e, resent alone, is settled, and reports whether it was stored. While it
+// waits nothing else is sent.
+func (l *lane) probed(ctx context.Context, e *entry) bool {
+	for !e.settled() {
+		if !l.valid() {
+			return false
+		}
+		if err := l.wait(ctx); err != nil {
+			return false
+		}
+	}
+	if !e.acked {
+		l.failed = true
+	}
+	return e.acked
 }
 
 // refused handles a publish refused for good. A message for OUTGOING becomes a dead letter; a

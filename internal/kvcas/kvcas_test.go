@@ -3,6 +3,9 @@ package kvcas_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -77,4 +80,99 @@ func TestIsConflictReplicated(t *testing.T) {
 			t.Errorf("%s on R3: IsConflict(%v) = false, want true", name, err)
 		}
 	}
+}
+
+// Latest, read right after each of many acknowledged writes to an R3 bucket under a load of
+// other writes, always shows the write just acknowledged, delete markers and expiry markers as
+// deleted, and a key never written as ErrNotFound. A KV Get (a direct get, answered by any
+// replica) of the same key from a follower's node is counted for comparison: under load it shows
+// an older revision now and then.
+func TestLatestReadsTheLeader(t *testing.T) {
+	c := natstest.StartCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	admin, err := jetstream.New(c.Connect(t, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Replicas: 3, History: 1, LimitMarkerTTL: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	leader := c.WaitStreamLeader("KV_b", -1, 30*time.Second)
+	js, err := jetstream.New(c.Connect(t, (leader+1)%3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.KeyValue(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kvcas.Latest(ctx, js, "b", "never"); !errors.Is(err, kvcas.ErrNotFound) {
+		t.Errorf("Latest(never written) = %v, want ErrNotFound", err)
+	}
+
+	// The load: about 5,000 writes a second to other keys, from the leader's node.
+	load, err := jetstream.New(c.Connect(t, leader))
+	if err != nil {
+		t.Fatal(err)
+	}
+	loadCtx, stopLoad := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; loadCtx.Err() == nil; i++ {
+			select {
+			case <-tick.C:
+			case <-loadCtx.Done():
+				return
+			}
+			for j := range 50 {
+				if _, err := load.PublishAsync("$KV.b.load."+strconv.Itoa(j), []byte("x")); err != nil {
+					return
+				}
+			}
+		}
+	})
+	defer func() { stopLoad(); wg.Wait() }()
+	stale, n := 0, 0
+	// 200 writes, or as many as 20s allow on a loaded machine.
+	for start := time.Now(); n < 200 && time.Since(start) < 20*time.Second; n++ {
+		i := n
+		rev, err := kv.Put(ctx, "k", []byte(strconv.Itoa(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := kvcas.Latest(ctx, js, "b", "k")
+		if err != nil {
+			t.Fatalf("Latest(k) after write %d: %v", i, err)
+		}
+		if m.Sequence != rev || string(m.Data) != strconv.Itoa(i) || kvcas.Deleted(m) {
+			t.Fatalf("Latest(k) = revision %d %q, want revision %d %q, just acknowledged", m.Sequence, m.Data, rev, strconv.Itoa(i))
+		}
+		if e, err := kv.Get(ctx, "k"); err == nil && e.Revision() != rev {
+			stale++
+		}
+	}
+	t.Logf("%d of %d KV Gets from a follower's node right after the write showed an older revision", stale, n)
+
+	if err := kv.Delete(ctx, "k"); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := kvcas.Latest(ctx, js, "b", "k"); err != nil || !kvcas.Deleted(m) {
+		t.Errorf("Latest(deleted k) = %v, %v; want a delete marker", m, err)
+	}
+	if _, err := kv.Create(ctx, "ttl", []byte("x"), jetstream.KeyTTL(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	natstest.Eventually(t, 10*time.Second, func() error {
+		m, err := kvcas.Latest(ctx, js, "b", "ttl")
+		if err != nil {
+			return err
+		}
+		if !kvcas.Deleted(m) {
+			return fmt.Errorf("Latest(ttl) = %q with headers %v, want its expiry marker", m.Data, m.Header)
+		}
+		return nil
+	})
 }

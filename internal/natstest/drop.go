@@ -15,6 +15,7 @@ import (
 type Dropper struct {
 	mu      sync.Mutex
 	prefix  []byte // publishes to subjects starting with it are dropped; nil: none
+	left    int    // with DropNext: how many more to drop before stopping; 0: no limit
 	dropped int
 }
 
@@ -22,9 +23,20 @@ type Dropper struct {
 func (d *Dropper) Drop(prefix string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.prefix = nil
+	d.prefix, d.left = nil, 0
 	if prefix != "" {
 		d.prefix = []byte(prefix)
+	}
+}
+
+// DropNext drops the next n publishes to subjects that start with prefix, then stops dropping:
+// what a client sees of a stream that gets a leader back in the middle of what it sends.
+func (d *Dropper) DropNext(prefix string, n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.prefix, d.left = nil, 0
+	if prefix != "" && n > 0 {
+		d.prefix, d.left = []byte(prefix), n
 	}
 }
 
@@ -43,6 +55,11 @@ func (d *Dropper) drops(subject []byte) bool {
 		return false
 	}
 	d.dropped++
+	if d.left > 0 {
+		if d.left--; d.left == 0 {
+			d.prefix = nil
+		}
+	}
 	return true
 }
 

@@ -1,0 +1,114 @@
+package lanes_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// What a lane sees of an output stream that loses its leader, played on one server with a
+// connection that loses publishes: nothing answers the publishes in flight, and the stream then
+// stores whatever reaches it next. The lane must keep each device's order through it.
+
+// publishPaced publishes payloads "<device>:from" … "<device>:from+n-1", one every gap: load
+// that goes on while the stream is away.
+func (f *fixture) publishPaced(device string, from, n int, gap time.Duration) {
+	f.t.Helper()
+	tick := time.NewTicker(gap)
+	defer tick.Stop()
+	for i := from; i < from+n; i++ {
+		<-tick.C
+		f.publishFrom([]string{device}, i, 1, nil)
+	}
+}
+
+// A stream silent for 2s, while its device keeps publishing, then back: what was sent into the
+// silence must be stored before anything sent after it, although the publish timeout (5s) is
+// far from over when the stream is back.
+func TestSilentStreamKeepsOrder(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-1"
+	f.groups.set(dev, "g")
+	pool, drop := f.droppingPool(lanes.Config{})
+	runLane(t, pool, lanes.Assignment{Partition: subjects.Partition(dev, 16), Epoch: 1})
+	f.publish([]string{dev}, 1, nil)
+	f.read("OUTGOING", 1)
+
+	drop.Drop("outgoing.")
+	f.publishPaced(dev, 1, 20, 100*time.Millisecond) // 2s of silence
+	drop.Drop("")
+	f.publishPaced(dev, 21, 20, 50*time.Millisecond) // and 1s after it, well within the timeout
+	f.waitOrDump(pool, "OUTGOING", 41, 30*time.Second)
+	checkOrder(t, f.read("OUTGOING", 41), []string{dev}, 41, func(string) string { return "outgoing.g.dev-1.evt" })
+	if st := pool.Stats(); st.Reorders != 0 {
+		t.Errorf("Stats() = %+v, want no reorder", st)
+	}
+	t.Logf("dropped %d publishes; Stats() = %+v", drop.Dropped(), pool.Stats())
+}
+
+// The stream comes back in the middle of a resend round: the start of the round is lost, the
+// rest would be stored. The lane resends the first message alone until it is stored, and only
+// then the rest, so nothing lands behind a later message of its device.
+func TestStreamBackInTheMiddleOfAResendKeepsOrder(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-1"
+	f.groups.set(dev, "g")
+	pool, drop := f.droppingPool(lanes.Config{PublishTimeout: 300 * time.Millisecond, RetryBackoff: 10 * time.Millisecond})
+	runLane(t, pool, lanes.Assignment{Partition: subjects.Partition(dev, 16), Epoch: 1})
+	f.publish([]string{dev}, 1, nil)
+	f.read("OUTGOING", 1)
+
+	// All 50 are lost, and then the first two publishes after them: the start of the next round.
+	const n, lostAfter = 50, 2
+	drop.DropNext("outgoing.", n+lostAfter)
+	f.publishFrom([]string{dev}, 1, n, nil)
+	f.waitOrDump(pool, "OUTGOING", 1+n, 30*time.Second)
+	checkOrder(t, f.read("OUTGOING", 1+n), []string{dev}, 1+n, func(string) string { return "outgoing.g.dev-1.evt" })
+	if got := drop.Dropped(); got != n+lostAfter {
+		t.Errorf("dropped %d publishes, want %d", got, n+lostAfter)
+	}
+	if st := pool.Stats(); st.Reorders != 0 {
+		t.Errorf("Stats() = %+v, want no reorder", st)
+	}
+}
+
+// A publish lost while a later one to the same stream is stored (a leader stepping down drops
+// what it had queued; the new one stores what comes next) is resent as soon as the later one's
+// acknowledgement shows it lost, not after the publish timeout.
+func TestOvertakenPublishIsResentAtOnce(t *testing.T) {
+	f := newFixture(t)
+	a := "dev-a"
+	p := subjects.Partition(a, 16)
+	b := ""
+	for i := 0; b == ""; i++ {
+		if d := fmt.Sprintf("dev-b%d", i); subjects.Partition(d, 16) == p {
+			b = d
+		}
+	}
+	f.groups.set(a, "g")
+	f.groups.set(b, "g")
+	// No stall detection: only the later acknowledgement can tell.
+	pool, drop := f.droppingPool(lanes.Config{StallTimeout: -1})
+	runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1})
+	f.publish([]string{a}, 1, nil)
+	f.read("OUTGOING", 1)
+
+	drop.DropNext("outgoing.g."+a+".", 1)
+	start := time.Now()
+	f.publishFrom([]string{a, b}, 1, 1, nil)
+	f.waitOrDump(pool, "OUTGOING", 3, 30*time.Second)
+	if took := time.Since(start); took > 2500*time.Millisecond {
+		t.Errorf("the lost publish was stored %v after it was sent, want well below the 5s publish timeout", took)
+	}
+	msgs := f.read("OUTGOING", 3)
+	if got := fmt.Sprint(payloads(msgs)); got != "[dev-a:0 "+b+":1 dev-a:1]" {
+		t.Errorf("OUTGOING holds %s, want dev-a:0, then %s:1 stored while dev-a:1 was lost, then dev-a:1", got, b)
+	}
+	if drop.Dropped() != 1 {
+		t.Errorf("dropped %d publishes, want 1", drop.Dropped())
+	}
+	t.Logf("resent after %v; Stats() = %+v", time.Since(start), pool.Stats())
+}
