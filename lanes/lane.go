@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -22,6 +23,9 @@ type entry struct {
 	src      jetstream.Msg // the consumed message, to rebuild a dead letter from
 	msg      *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
 	m        nats.Msg      // the message itself, allocated with the entry
+	hdr      nats.Header   // the entry's own header map, cleared and refilled for every message
+	text     []byte        // the bytes of subject, reply, Nats-Msg-Id and revision (see [entry.str])
+	reply    string        // the reply subject: the lane's inbox and seq
 	id       [1]string     // backing of the Nats-Msg-Id header value
 	rev      [1]string     // backing of the KVMapper-Revision header value
 	reason   string        // non-empty when msg is a dead letter
@@ -38,6 +42,26 @@ type entry struct {
 }
 
 func (e *entry) settled() bool { return e.acked || e.err != nil }
+
+// reset clears e for its next message, keeping the header map and the text buffer it owns.
+func (e *entry) reset() {
+	hdr, text := e.hdr, e.text
+	clear(hdr)
+	*e = entry{hdr: hdr, text: text[:0]}
+}
+
+// since returns what was appended to e's text from offset from on, as a string that shares e's
+// bytes: no allocation. That is safe because nothing writes those bytes again until e is reset,
+// after it settled, when nothing refers to its strings any more: nats.go copies subject, reply
+// and header values into its own buffer when it publishes, and e's message, dead letter and
+// header map go with e. (An append that outgrows text moves on to a new array and leaves the old
+// one, and the strings in it, untouched.)
+func (e *entry) since(from int) string {
+	if len(e.text) == from {
+		return ""
+	}
+	return unsafe.String(&e.text[from], len(e.text)-from)
+}
 
 // laneStats are what a lane shows of itself to other goroutines.
 type laneStats struct {
@@ -286,7 +310,7 @@ func (l *lane) popSettled() {
 			l.p.mapped.Add(1)
 		}
 		l.backoff = 0
-		*e = entry{}
+		e.reset()
 		l.free = append(l.free, e)
 	}
 	l.p.window.give(&l.grant, n, bytes)
@@ -381,11 +405,16 @@ func (l *lane) prepare(d delivery) *entry {
 const maxUint64Digits = 20
 
 // build makes e what to publish for d: the mapped message, or a dead letter with its reason.
+// The strings it publishes live in e's own buffer, and the header map is e's own: a message
+// costs no allocation here (see [entry.since]).
 func (l *lane) build(e *entry, d delivery) {
 	e.seq, e.src, e.msg = d.seq, d.msg, &e.m
 	lay := l.p.cfg.Layout
 	hdr := l.headers(e)
 	e.m.Header, e.m.Data = hdr, d.msg.Data()
+	from := len(e.text)
+	e.text = strconv.AppendUint(append(e.text, l.inbox...), e.seq, 10)
+	e.reply = e.since(from)
 	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
 		hdr[HeaderSubject] = []string{d.msg.Subject()}
 		e.reason = ReasonMalformedSubject
@@ -397,42 +426,50 @@ func (l *lane) build(e *entry, d delivery) {
 	group, rev, reason := l.p.lookup(e.device)
 	if reason != "" {
 		e.reason = reason
-		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
-		e.m.Subject = string(l.buf)
+		from = len(e.text)
+		e.text = lay.AppendUnmapped(e.text, &l.fields)
+		e.m.Subject = e.since(from)
 		l.deadHeaders(hdr, reason, "")
 		return
 	}
-	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
-	e.m.Subject = string(l.buf)
+	from = len(e.text)
+	e.text = lay.AppendOut(e.text, &l.fields, group)
+	e.m.Subject = e.since(from)
 	if !l.p.cfg.NoProvenance {
 		hdr[HeaderPartition] = l.partHdr
 		hdr[HeaderEpoch] = l.epochHdr
-		e.rev[0] = strconv.FormatUint(rev, 10)
+		from = len(e.text)
+		e.text = strconv.AppendUint(e.text, rev, 10)
+		e.rev[0] = e.since(from)
 		hdr[HeaderRevision] = e.rev[:]
 	}
 }
 
 const expectedPrefix = "Nats-Expected-"
 
-// headers returns the consumed message's headers, made fit for OUTGOING: the Nats-Expected-*
-// headers addressed INCOMING and are dropped, a device's own Nats-Msg-Id is kept under
-// [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every owner
-// and every retry, so OUTGOING drops anything sent twice.
+// headers fills e's header map with the consumed message's headers, made fit for OUTGOING: the
+// Nats-Expected-* headers addressed INCOMING and are left out, a device's own Nats-Msg-Id is kept
+// under [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
+// owner and every retry, so OUTGOING drops anything sent twice. The consumed message's own map
+// is left as it is; its values are shared, never changed.
 func (l *lane) headers(e *entry) nats.Header {
-	hdr := e.src.Headers()
+	hdr := e.hdr
 	if hdr == nil {
-		hdr = make(nats.Header, 4)
+		hdr = make(nats.Header, 8)
+		e.hdr = hdr
 	}
-	for k := range hdr {
+	for k, v := range e.src.Headers() {
 		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
-			delete(hdr, k)
+			continue
 		}
+		hdr[k] = v
 	}
 	if id, ok := hdr[nats.MsgIdHdr]; ok {
 		hdr[HeaderOrigMsgID] = id
 	}
-	l.buf = strconv.AppendUint(append(l.buf[:0], l.idPrefix...), e.seq, 10)
-	e.id[0] = string(l.buf)
+	from := len(e.text)
+	e.text = strconv.AppendUint(append(e.text, l.idPrefix...), e.seq, 10)
+	e.id[0] = e.since(from)
 	hdr[nats.MsgIdHdr] = e.id[:]
 	return hdr
 }

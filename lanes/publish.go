@@ -57,7 +57,7 @@ func (l *lane) send(e *entry, gen uint64) {
 	e.acked, e.duplicate, e.err = false, false, nil
 	e.gen = gen
 	e.sent = time.Now()
-	e.msg.Reply = l.inbox + strconv.FormatUint(e.seq, 10)
+	e.msg.Reply = e.reply
 	if err := l.p.nc.PublishMsg(e.msg); err != nil {
 		e.err = err
 		l.failed = true
