@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -61,6 +62,16 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 // waits for an answer that never comes. A new ordered consumer has a new name, placed again.
 const resetAttempts = 1
 
+// consume reads one ordered consumer from *next on and hands its messages to out, until ctx is
+// done (it returns nil) or the consumer fails for good: its reset failed, or something it cannot
+// recover from (then it returns why, and read starts a new one from *next).
+//
+// The messages come to a Consume callback on the subscription's own goroutine, which blocks
+// while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
+// only once the callback has returned for every message of the last one), so it holds at most
+// one request's worth, PullBatch messages and pullBytes bytes, as with an iterator. A callback
+// costs one allocation per message where the iterator's Next cost five (its options, a heartbeat
+// monitor, its timer and closure, the message wrapper: BENCHMARKS-fastbatch.md, section 3).
 func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
 	occ := jetstream.OrderedConsumerConfig{
 		DeliverPolicy:    jetstream.DeliverByStartSequencePolicy,
@@ -75,52 +86,113 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 	if err != nil {
 		return err
 	}
-	// One pull request at a time, sent when everything of the last one has been read: the
-	// consumer then holds at most one request's worth, PullBatch messages and pullBytes bytes.
-	// (With requests bounded in bytes, the server ends each with a status message, which takes
-	// a slot of the consumer's buffer, sized for the messages alone: a second request open
-	// while the reader waits for the lane would overflow it, and nats.go would drop a message
-	// as a slow consumer.)
-	it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(l.p.cfg.PullBatch, l.p.pullBytes),
-		jetstream.PullThresholdMessages(1), jetstream.PullHeartbeat(l.p.cfg.Heartbeat))
+	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
+	var hctx context.Context
+	hctx, r.cancel = context.WithCancel(ctx)
+	r.ctx = hctx
+	defer r.cancel()
+	// One pull request at a time, sent when everything of the last one has been handed on.
+	cc, err := cons.Consume(r.handle,
+		jetstream.PullMaxMessagesWithBytesLimit(l.p.cfg.PullBatch, l.p.pullBytes),
+		jetstream.PullThresholdMessages(1), jetstream.PullHeartbeat(l.p.cfg.Heartbeat),
+		jetstream.ConsumeErrHandler(r.consumeErr))
 	if err != nil {
 		return err
 	}
-	defer it.Stop()
-	stop := context.AfterFunc(ctx, it.Stop)
-	defer stop()
-	for {
-		m, err := it.Next()
-		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) && ctx.Err() != nil {
-				return nil
-			}
-			return err
+	var why error
+	select {
+	case <-ctx.Done():
+	case why = <-r.failed:
+	}
+	r.finish()
+	cc.Stop()
+	return why
+}
+
+// reader is one ordered consumer's callback state. The ordered consumer calls handle on its
+// subscription's goroutine, one message at a time; after a reset a new subscription's goroutine
+// can call it while the last call of the old one still waits for the hand-off. The mutex,
+// held through the hand-off, keeps them in order, and no call hands anything on after finish.
+type reader struct {
+	l      *lane
+	ctx    context.Context // ends with finish: a call waiting for the hand-off gives up
+	cancel context.CancelFunc
+	failed chan error // capacity 1: why the consumer failed for good, the first reason only
+
+	mu   sync.Mutex
+	next *uint64 // the sequence to hand on next; read's, written only here until finish
+	out  chan<- delivery
+	done bool
+}
+
+// fail reports why the consumer cannot go on. It never blocks: nats.go calls consumeErr under
+// the ordered consumer's lock.
+func (r *reader) fail(err error) {
+	select {
+	case r.failed <- err:
+	default:
+	}
+}
+
+// consumeErr receives what the consumer reports. The ordered consumer recreates itself after a
+// missed heartbeat or a deleted consumer, and a new leader of the consumer only needs a new pull
+// request, which nats.go sends; anything else — its reset failed (see [resetAttempts]), "no
+// responders" (a reset's request meets it as much as a pull does, and the two cannot be told
+// apart), a closed connection, a refused request — ends this consumer.
+func (r *reader) consumeErr(_ jetstream.ConsumeContext, err error) {
+	switch {
+	case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrConsumerDeleted),
+		errors.Is(err, jetstream.ErrConsumerLeadershipChanged):
+		return
+	}
+	r.fail(err)
+}
+
+// finish stops the callback for good; consume calls it before it returns.
+func (r *reader) finish() {
+	r.cancel()
+	r.mu.Lock()
+	r.done = true
+	r.mu.Unlock()
+}
+
+func (r *reader) handle(m jetstream.Msg) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		return
+	}
+	l := r.l
+	ack, ok := subjects.ParseAck(m.Reply())
+	if !ok {
+		r.done = true
+		r.fail(errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply())))
+		return
+	}
+	if ack.StreamSeq < *r.next {
+		return // handed on already, by the subscription a reset replaced
+	}
+	if ack.ConsumerSeq == 1 {
+		// The first message of a consumer: this one, or one the ordered consumer created for
+		// itself after a reset. A reset follows a deleted consumer, which is what deleting
+		// INCOMING does; a consumer recreated on a new INCOMING would go on at the old
+		// position, skipping the new stream's first messages.
+		if err := l.checkIncarnation(r.ctx); err != nil {
+			r.done = true
+			r.fail(err)
+			return
 		}
-		ack, ok := subjects.ParseAck(m.Reply())
-		if !ok {
-			return errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply()))
-		}
-		if ack.ConsumerSeq == 1 {
-			// The first message of a consumer: this one, or one the ordered consumer created for
-			// itself after a reset. A reset follows a deleted consumer, which is what deleting
-			// INCOMING does; a consumer recreated on a new INCOMING would go on at the old
-			// position, skipping the new stream's first messages.
-			if err := l.checkIncarnation(ctx); err != nil {
-				return err
-			}
-		}
-		d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
-		if !l.handoff.wait(ctx, d.size, int64(l.p.pullBytes)) {
-			return nil
-		}
-		select {
-		case out <- d:
-			*next = ack.StreamSeq + 1
-			l.stats.pending.Store(ack.Pending)
-		case <-ctx.Done():
-			return nil
-		}
+	}
+	d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
+	if !l.handoff.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
+		return
+	}
+	select {
+	case r.out <- d:
+		*r.next = ack.StreamSeq + 1
+		l.stats.pending.Store(ack.Pending)
+	case <-r.ctx.Done():
+		l.handoff.taken(d.size) // not handed on after all
 	}
 }
 
