@@ -121,6 +121,8 @@ type lane struct {
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
+	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
+
 	fields   subjects.Fields
 	buf      []byte
 	idPrefix string
@@ -140,11 +142,14 @@ func newLane(p *Pool, a Assignment) *lane {
 		key:      subjects.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
 		timeout:  p.cfg.PublishTimeout,
+		clock:    leaseClock{valid: a.Valid},
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
 	}
 }
 
+// valid reads the lease clock. The lane's own goroutine asks l.clock instead, which reads it
+// less often.
 func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 
 func (l *lane) run(ctx context.Context) error {
@@ -191,7 +196,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer tick.Stop()
 	for {
 		l.popSettled()
-		if !l.valid() {
+		if !l.clock.holds() {
 			stopReading()
 			return l.stop(ErrFenced)
 		}
@@ -210,7 +215,7 @@ func (l *lane) run(ctx context.Context) error {
 		if l.held != nil {
 			if l.admit(l.held) {
 				l.held = nil
-			} else if l.failed || !l.valid() {
+			} else if l.failed || !l.clock.holds() {
 				continue
 			}
 		}
@@ -260,7 +265,7 @@ func (l *lane) run(ctx context.Context) error {
 // are lost, and sending on the new connection first would reorder. Then it gives the room back,
 // fails the old publishes so that they are resent first, and returns false.
 func (l *lane) admit(e *entry) bool {
-	if !l.valid() {
+	if !l.clock.publish(e.cost) {
 		return false // the loop stops the lane
 	}
 	if !l.p.window.take(&l.grant, e.cost) {
@@ -350,7 +355,7 @@ func (l *lane) stop(why error) error {
 		}
 		h := l.q[0]
 		if h.err != nil || l.failed {
-			if why != nil || !l.valid() {
+			if why != nil || !l.clock.holds() {
 				break // fenced: send nothing more; the next owner resumes after the prefix
 			}
 			l.failed = true
