@@ -524,15 +524,23 @@ func permanent(err error) (reason, why string) {
 		switch {
 		case apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum || apiErr.ErrorCode == errCodeHeaderExceedsMaximum:
 			return ReasonOversized, apiErr.Description
-		case apiErr.Code == 400:
+		case apiErr.Code == 400 || apiErr.ErrorCode == errCodeRollupFailed:
 			// A bad request is about the message (a per-message TTL the stream does not allow,
-			// a counter increment, a schedule...): the same bytes would be refused again.
+			// a counter increment, a schedule...): the same bytes would be refused again. So is
+			// a rollup the stream does not allow or cannot apply, which the server answers 500.
 			return ReasonRejected, apiErr.Description
 		}
 	}
 	return "", ""
 }
 
-// errCodeHeaderExceedsMaximum is nats-server's JSStreamHeaderExceedsMaximumErr, which nats.go
-// has no constant for.
-const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
+// Error codes of nats-server's refusals of a message that nats.go has no constants for:
+// JSStreamHeaderExceedsMaximumErr (400), and JSStreamRollupFailedF, which the server answers
+// with code 500 although every cause of it is the message's Nats-Rollup header (not allowed on
+// the stream, an invalid value, a rollup a batch cannot take: nats-server 2.15 stream.go and
+// jetstream_batching.go). The server's other 500s and 503s are about the stream or the cluster
+// and may pass; 429 is a full ingest queue.
+const (
+	errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
+	errCodeRollupFailed         jetstream.ErrorCode = 10111
+)

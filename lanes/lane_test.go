@@ -262,6 +262,55 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 	})
 }
 
+// A header OUTGOING refuses a message for sends it to UNMAPPED as rejected, and the partition goes
+// on: a per-message TTL OUTGOING does not allow (400, err_code 10166) and a rollup it does not
+// allow (500, err_code 10111: the server's code for it is not "bad request";
+// internal/fiprobe TestRollupRefusalIsNotABadRequest pins it). INCOMING allows both here, as a
+// stream of the user's own may.
+func TestRefusedHeadersAreRejected(t *testing.T) {
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		f.groups.set("dev-1", "g")
+		ctx := context.Background()
+		in, err := f.js.Stream(ctx, f.stream("dev-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := in.CachedInfo().Config
+		cfg.AllowMsgTTL, cfg.AllowRollup = true, true
+		if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+		pool, _ := f.run(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}, nil)
+		for i, m := range []*nats.Msg{
+			{Subject: "incoming.dev-1.evt"},
+			{Subject: "incoming.dev-1.ttl", Header: nats.Header{"Nats-TTL": {"1m"}}},
+			{Subject: "incoming.dev-1.roll", Header: nats.Header{"Nats-Rollup": {"sub"}}},
+			{Subject: "incoming.dev-1.evt"},
+		} {
+			m.Data = fmt.Appendf(nil, "dev-1:%d", i)
+			if _, err := f.js.PublishMsg(ctx, m); err != nil {
+				t.Fatalf("PublishMsg(%s): %v", m.Subject, err)
+			}
+		}
+		f.waitOrDump(pool, "UNMAPPED", 2, 15*time.Second)
+		for i, dl := range f.read("UNMAPPED", 2) {
+			h := dl.Headers()
+			if h.Get(lanes.HeaderReason) != lanes.ReasonRejected || h.Get("Nats-Msg-Id") != f.msgID("dev-1", uint64(i+2)) || h.Get(lanes.HeaderError) == "" {
+				t.Errorf("dead letter %d: headers %v, want reason rejected, Nats-Msg-Id %s and the server's error", i, h, f.msgID("dev-1", uint64(i+2)))
+			}
+		}
+		out := f.read("OUTGOING", 2)
+		for i, want := range []string{"dev-1:0", "dev-1:3"} {
+			if string(out[i].Data()) != want {
+				t.Errorf("OUTGOING[%d] = %q, want %q", i, out[i].Data(), want)
+			}
+		}
+		if st := pool.Stats(); st.Unmapped[lanes.ReasonRejected] != 2 {
+			t.Errorf("Stats().Unmapped = %v, want 2 rejected", st.Unmapped)
+		}
+	})
+}
+
 func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(50)
