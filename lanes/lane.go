@@ -236,26 +236,47 @@ func (l *lane) run(ctx context.Context) error {
 			stopReading()
 			return l.stopped(ctx)
 		case d := <-inc:
-			l.handoff.taken(d.size)
-			// Most of the time there is room: publish now rather than in another round.
-			if e := l.prepare(d); !l.admit(e) {
-				l.held = e
-			}
+			l.take(d, inc)
 		case err := <-l.readErr:
 			stopReading()
 			return l.stop(err)
 		case <-wake:
 		case m := <-l.acks:
 			l.acknowledge(m)
+			l.drainAcks(burst - 1)
 		case r := <-l.cpDone:
 			if err := l.applyCheckpoint(r); err != nil {
 				stopReading()
 				return l.stop(err)
 			}
 		case now := <-tick.C:
-			l.drainAcks()
+			l.drainAcks(-1)
 			l.expire(now)
 			l.startCheckpoint()
+		}
+	}
+}
+
+// burst is how many deliveries, or acknowledgements, the lane handles in one round of its loop
+// when they are there already: a round costs a select over every channel the lane waits on.
+const burst = handoffLen
+
+// take publishes d and then, while there is room and nothing failed, the deliveries already
+// waiting in in, up to burst in all. A delivery there is no room for is held.
+func (l *lane) take(d delivery, in <-chan delivery) {
+	for n := 1; ; n++ {
+		l.handoff.taken(d.size)
+		if e := l.prepare(d); !l.admit(e) {
+			l.held = e
+			return
+		}
+		if n == burst || l.failed {
+			return
+		}
+		select {
+		case d = <-in:
+		default:
+			return
 		}
 	}
 }
@@ -369,7 +390,7 @@ func (l *lane) stop(why error) error {
 			break
 		}
 	}
-	l.drainAcks()
+	l.drainAcks(-1)
 	l.popSettled()
 	var bytes int64
 	for _, e := range l.q {

@@ -71,9 +71,10 @@ func (l *lane) send(e *entry, gen uint64) {
 	}
 }
 
-// drainAcks applies the acknowledgements already queued, without waiting.
-func (l *lane) drainAcks() {
-	for {
+// drainAcks applies the acknowledgements already queued, without waiting, at most limit of them
+// (limit < 0: all).
+func (l *lane) drainAcks(limit int) {
+	for ; limit != 0; limit-- {
 		select {
 		case m := <-l.acks:
 			l.acknowledge(m)
@@ -191,7 +192,7 @@ func (l *lane) expire(now time.Time) {
 // ctx ends first.
 func (l *lane) settle(ctx context.Context) error {
 	for {
-		l.drainAcks()
+		l.drainAcks(-1)
 		l.expire(time.Now())
 		unsettled := false
 		for _, e := range l.q {

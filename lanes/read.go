@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -17,20 +18,19 @@ import (
 )
 
 // read consumes the lane's partition from its stream (INCOMING filtered, or INCOMING-<p>) in
-// stream order, starting at sequence next, and hands each message to out until ctx is done. The
-// ordered consumer recreates itself on reconnects, gaps, missed heartbeats and a deleted
-// consumer, once (see [resetAttempts]); read creates a new one from the last sequence it handed
-// on when that fails or the consumer gives up for any other reason (the stream was deleted, say).
+// stream order, starting at sequence next, and hands each message to out until ctx is done. It
+// reads through one consumer at a time (see [lane.consume]), each from the sequence after the
+// last it handed on; when one fails — a gap, a missed heartbeat, a consumer deleted, a
+// reconnect that lost it, a refused request — it creates the next at once, and after a failure
+// that read nothing since the one before, with backoff and a warning.
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
+	var failed time.Time // when the last consumer failed
 	for ctx.Err() == nil {
 		from := next
 		err := l.consume(ctx, &next, out)
 		if ctx.Err() != nil {
 			return
-		}
-		if next != from {
-			backoff = l.p.cfg.RetryBackoff // it read again since the last failure
 		}
 		if errors.Is(err, ErrIncomingRecreated) {
 			select {
@@ -39,6 +39,15 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 			}
 			return
 		}
+		now := time.Now()
+		if next != from || now.Sub(failed) > l.p.cfg.MaxRetryBackoff {
+			// It read since the last failure, or that was long ago: the reset an ordered
+			// consumer makes after a gap or a reconnect, made at once and quietly.
+			failed, backoff = now, l.p.cfg.RetryBackoff
+			l.log.Debug().Err(err).Uint64("next", next).Msg("consumer reset")
+			continue
+		}
+		failed = now
 		l.p.warn("consume", func(e *zerolog.Event) {
 			e.Int("partition", l.a.Partition).Err(err).Uint64("next", next).
 				Str("stream", l.stream).Msg("consuming INCOMING failed; retrying (check that the stream exists: kvmapper setup)")
@@ -54,42 +63,48 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	}
 }
 
-// resetAttempts is how many times an ordered consumer tries to recreate itself after a reset
-// before its iterator fails. nats.go's default is for ever, under one name: on a cluster, a
-// consumer recreated within seconds of a server's crash can be placed on that server (the meta
-// leader takes a crashed server for offline only once its heartbeats have been missing for
-// minutes: nats-server 2.15 events.go, orphMax = 5 × 30s), and every attempt at that name then
-// waits for an answer that never comes. A new ordered consumer has a new name, placed again.
-const resetAttempts = 1
+// errGap marks a consumer that skipped a delivery: a message lost on the way (a reconnect, a
+// slow subscription), which the next consumer reads again.
+var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 
-// consume reads one ordered consumer from *next on and hands its messages to out, until ctx is
-// done (it returns nil) or the consumer fails for good: its reset failed, or something it cannot
-// recover from (then it returns why, and read starts a new one from *next).
+// consume creates one consumer on the lane's stream from *next on — ephemeral, unacknowledged,
+// in memory, one replica, as nats.go's ordered consumer makes them — reads it and hands its
+// messages to out, in order, until ctx is done (it returns nil) or the consumer fails (it
+// returns why; read then creates the next from *next). It deletes the consumer before it
+// returns. One at a time: the next consumer is created only once this one's callback can hand
+// nothing on any more, so two consumers' messages never race for the hand-off. (nats.go's
+// ordered consumer recreates itself while a callback of the consumer it replaces may still be
+// waiting for the hand-off, and a later message of the new one can then overtake it.) Every
+// consumer has a name of its own: on a cluster, a consumer created within seconds of a server's
+// crash can be placed on that server (the meta leader takes a crashed server for offline only
+// once its heartbeats have been missing for minutes: nats-server 2.15 events.go, orphMax = 5 ×
+// 30s), and a create under a name placed there waits for an answer that never comes.
 //
 // The messages come to a Consume callback on the subscription's own goroutine, which blocks
 // while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
 // only once the callback has returned for every message of the last one), so it holds at most
-// one request's worth, PullBatch messages and pullBytes bytes, as with an iterator. A callback
-// costs one allocation per message where the iterator's Next cost five (its options, a heartbeat
-// monitor, its timer and closure, the message wrapper: BENCHMARKS-fastbatch.md, section 3).
+// one request's worth, PullBatch messages and pullBytes bytes. A callback costs one allocation
+// per message where the iterator's Next cost five (its options, a heartbeat monitor, its timer
+// and closure, the message wrapper: BENCHMARKS-fastbatch.md, section 3).
 func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
-	occ := jetstream.OrderedConsumerConfig{
-		DeliverPolicy:    jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:      *next,
-		MaxResetAttempts: resetAttempts,
-	}
-	if l.filter != "" {
+	cfg := jetstream.ConsumerConfig{
+		Name:              strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix),
+		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:       *next,
+		AckPolicy:         jetstream.AckNonePolicy,
+		InactiveThreshold: 5 * time.Minute,
+		Replicas:          1,
+		MemoryStorage:     true,
 		// One filter subject: a filtered read walks the stream, and more filters cost more.
-		occ.FilterSubjects = []string{l.filter}
+		FilterSubject: l.filter,
 	}
-	cons, err := l.p.js.OrderedConsumer(ctx, l.stream, occ)
+	cons, err := l.p.js.CreateConsumer(ctx, l.stream, cfg)
 	if err != nil {
 		return err
 	}
+	defer l.deleteConsumer(cfg.Name)
 	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
-	var hctx context.Context
-	hctx, r.cancel = context.WithCancel(ctx)
-	r.ctx = hctx
+	r.ctx, r.cancel = context.WithCancel(ctx)
 	defer r.cancel()
 	// One pull request at a time, sent when everything of the last one has been handed on.
 	cc, err := cons.Consume(r.handle,
@@ -109,24 +124,30 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 	return why
 }
 
-// reader is one ordered consumer's callback state. The ordered consumer calls handle on its
-// subscription's goroutine, one message at a time; after a reset a new subscription's goroutine
-// can call it while the last call of the old one still waits for the hand-off. The mutex,
-// held through the hand-off, keeps them in order, and no call hands anything on after finish.
+// deleteConsumer deletes a consumer consume is done with, rather than leave it on the server
+// until its inactive threshold. It does not matter when it fails: the server removes it then.
+func (l *lane) deleteConsumer(name string) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = l.p.js.DeleteConsumer(ctx, l.stream, name)
+}
+
+// reader is one consumer's callback state. The mutex, held through the hand-off, orders the
+// callback against finish: after finish returns, no call hands anything on.
 type reader struct {
 	l      *lane
 	ctx    context.Context // ends with finish: a call waiting for the hand-off gives up
 	cancel context.CancelFunc
-	failed chan error // capacity 1: why the consumer failed for good, the first reason only
+	failed chan error // capacity 1: why the consumer failed, the first reason only
 
 	mu   sync.Mutex
 	next *uint64 // the sequence to hand on next; read's, written only here until finish
 	out  chan<- delivery
+	dseq uint64 // the consumer sequence of the last message handed on
 	done bool
 }
 
-// fail reports why the consumer cannot go on. It never blocks: nats.go calls consumeErr under
-// the ordered consumer's lock.
+// fail reports why the consumer cannot go on. It never blocks.
 func (r *reader) fail(err error) {
 	select {
 	case r.failed <- err:
@@ -134,15 +155,10 @@ func (r *reader) fail(err error) {
 	}
 }
 
-// consumeErr receives what the consumer reports. The ordered consumer recreates itself after a
-// missed heartbeat or a deleted consumer, and a new leader of the consumer only needs a new pull
-// request, which nats.go sends; anything else — its reset failed (see [resetAttempts]), "no
-// responders" (a reset's request meets it as much as a pull does, and the two cannot be told
-// apart), a closed connection, a refused request — ends this consumer.
+// consumeErr receives what the consumer reports: everything ends it but a new leader of the
+// consumer, after which nats.go asks again (anything that new leader lost shows as a gap).
 func (r *reader) consumeErr(_ jetstream.ConsumeContext, err error) {
-	switch {
-	case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrConsumerDeleted),
-		errors.Is(err, jetstream.ErrConsumerLeadershipChanged):
+	if errors.Is(err, jetstream.ErrConsumerLeadershipChanged) {
 		return
 	}
 	r.fail(err)
@@ -164,19 +180,19 @@ func (r *reader) handle(m jetstream.Msg) {
 	}
 	l := r.l
 	ack, ok := subjects.ParseAck(m.Reply())
-	if !ok {
+	switch {
+	case !ok:
 		r.done = true
 		r.fail(errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply())))
 		return
-	}
-	if ack.StreamSeq < *r.next {
-		return // handed on already, by the subscription a reset replaced
-	}
-	if ack.ConsumerSeq == 1 {
-		// The first message of a consumer: this one, or one the ordered consumer created for
-		// itself after a reset. A reset follows a deleted consumer, which is what deleting
-		// INCOMING does; a consumer recreated on a new INCOMING would go on at the old
-		// position, skipping the new stream's first messages.
+	case ack.ConsumerSeq != r.dseq+1 || ack.StreamSeq < *r.next:
+		r.done = true
+		r.fail(fmt.Errorf("%w: delivery %d after %d, stream sequence %d from %d on", errGap, ack.ConsumerSeq, r.dseq, ack.StreamSeq, *r.next))
+		return
+	case ack.ConsumerSeq == 1:
+		// The first message of a consumer. INCOMING may have been deleted and created again
+		// since the lane fenced its checkpoint (that ends a consumer): a consumer of the new
+		// stream at the old position would skip the new stream's first messages.
 		if err := l.checkIncarnation(r.ctx); err != nil {
 			r.done = true
 			r.fail(err)
@@ -189,6 +205,7 @@ func (r *reader) handle(m jetstream.Msg) {
 	}
 	select {
 	case r.out <- d:
+		r.dseq = ack.ConsumerSeq
 		*r.next = ack.StreamSeq + 1
 		l.stats.pending.Store(ack.Pending)
 	case <-r.ctx.Done():
