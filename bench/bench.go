@@ -46,9 +46,6 @@ type Names struct {
 	// NoProvenance runs the replica without the KVMapper-Partition, -Epoch and -Revision
 	// headers, to measure what they cost.
 	NoProvenance bool
-	// FastBatch runs the replica with lanes.Config.FastBatch (a prototype) into an OUTGOING
-	// that allows fast batches.
-	FastBatch bool
 }
 
 // ChildFunc returns the command that runs one kvmapper replica named id as a child process
@@ -152,9 +149,7 @@ func (c *Config) setDefaults() error {
 	}
 	if len(c.Contenders) == 0 {
 		for _, k := range Keys {
-			if k.Name != KVMapperBatch { // a prototype: only when asked for
-				c.Contenders = append(c.Contenders, k.Name)
-			}
+			c.Contenders = append(c.Contenders, k.Name)
 		}
 	}
 	if c.Profile == "" {

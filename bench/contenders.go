@@ -39,7 +39,6 @@ var Keys = []struct{ Key, Name string }{
 	{"transform", Transform},
 	{"kvmapper", KVMapper},
 	{"no-provenance", KVMapperBare},
-	{"kvmapper-batch", KVMapperBatch},
 	{"hand-written", HandWritten},
 	{"relay-async", RelayAsync},
 	{"relay-ceiling", RelayCeiling},

@@ -41,7 +41,7 @@ func RunReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:     id,
 		Setup:  scfg,
-		Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance, FastBatch: n.FastBatch},
+		Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance},
 		Logger: log.With().Str("replica", id).Logger(),
 	})
 	if err != nil {

@@ -21,12 +21,9 @@ const (
 	KVMapper = "kvmapper"
 	// KVMapperBare is kvmapper without provenance headers (--no-provenance): what they cost.
 	KVMapperBare = "kvmapper, no provenance"
-	// KVMapperBatch is kvmapper writing in fast-ingest batches (lanes.Config.FastBatch, a
-	// prototype) into an OUTGOING that allows them.
-	KVMapperBatch = "kvmapper, fast batches"
-	Copy          = "server-side copy"
-	Transform     = "server-side transform"
-	Naive         = "naive mapper"
+	Copy         = "server-side copy"
+	Transform    = "server-side transform"
+	Naive        = "naive mapper"
 )
 
 // Contender is one way of getting INCOMING into a target stream, timed.
@@ -111,7 +108,6 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		}},
 		{KVMapper, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapper) }},
 		{KVMapperBare, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapperBare) }},
-		{KVMapperBatch, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapperBatch) }},
 		{HandWritten, e.handWritten},
 		{RelayAsync, e.relayAsync},
 		{RelayCeiling, e.relayCeiling},
@@ -188,21 +184,9 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) 
 	}
 	main, prof := name == KVMapper, name == e.cfg.Profile
 	names := e.names("BENCH_OUT_KVMAPPER")
-	names.NoProvenance = name == KVMapperBare
-	names.FastBatch = name == KVMapperBatch
+	names.NoProvenance = !main
 	if err := e.ensure(ctx, names); err != nil {
 		return Contender{}, err
-	}
-	if names.FastBatch {
-		s, err := e.js.Stream(ctx, names.Outgoing)
-		if err != nil {
-			return Contender{}, err
-		}
-		cfg := s.CachedInfo().Config
-		cfg.AllowBatchPublish = true
-		if _, err := e.js.UpdateStream(ctx, cfg); err != nil {
-			return Contender{}, fmt.Errorf("letting %s take fast batches: %w", names.Outgoing, err)
-		}
 	}
 	e.prog.show("kvmapper: starting %d replica(s)", e.cfg.Replicas)
 	m, err := e.startMappers(ctx, names, e.cfg.Replicas)

@@ -35,8 +35,6 @@ type entry struct {
 	sent     time.Time     // when last sent, for the acknowledgement timeout
 	cost     int64         // bytes it holds of the pool's window: its size on the wire when admitted
 	out      uint64        // the output stream's sequence of the message, from the acknowledgement
-	batch    uint64        // the lane's fast batch it was last sent in (see batch.go); 0: singly
-	bseq     uint64        // its sequence in that batch
 
 	acked     bool  // the stream stored it (or had it already)
 	duplicate bool  // the stream said it had it already
@@ -124,7 +122,6 @@ type lane struct {
 	stats laneStats // read by Pool.Partitions from other goroutines
 
 	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
-	batch fastBatch  // the open fast batch (Config.FastBatch, a prototype: batch.go)
 
 	fields   subjects.Fields
 	buf      []byte
@@ -254,7 +251,6 @@ func (l *lane) run(ctx context.Context) error {
 			}
 		case now := <-tick.C:
 			l.drainAcks(-1)
-			l.endBatch()
 			l.expire(now)
 			l.startCheckpoint()
 		}
@@ -308,7 +304,7 @@ func (l *lane) admit(e *entry) bool {
 
 // push sends e and appends it to the in-flight queue; it holds room in the pool's window.
 func (l *lane) push(e *entry, gen uint64) {
-	l.sendFresh(e, gen)
+	l.send(e, gen)
 	l.q = append(l.q, e)
 	l.stats.inFlight.Store(int64(len(l.q)))
 }
@@ -340,9 +336,6 @@ func (l *lane) popSettled() {
 			l.p.mapped.Add(1)
 		}
 		l.backoff = 0
-		if l.batch.tail == e {
-			l.batch.tail = nil
-		}
 		e.reset()
 		l.free = append(l.free, e)
 	}
@@ -376,9 +369,6 @@ func (l *lane) stopped(ctx context.Context) error {
 func (l *lane) stop(why error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), l.p.cfg.DrainTimeout)
 	defer cancel()
-	if why == nil {
-		l.endBatch()
-	}
 	for len(l.q) > 0 && ctx.Err() == nil {
 		l.popSettled()
 		if len(l.q) == 0 {

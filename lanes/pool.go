@@ -91,10 +91,6 @@ type Config struct {
 	IncarnationCheck time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
-	// FastBatch (a prototype, to measure) sends what a lane maps for OUTGOING for the first
-	// time in fast-ingest batches; OUTGOING must allow them. Batched messages are not looked
-	// at for duplicates and reorders.
-	FastBatch bool
 	// Logger receives structured logs. Default: none.
 	Logger zerolog.Logger
 }

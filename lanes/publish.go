@@ -42,7 +42,7 @@ var (
 func (l *lane) subscribeAcks() (func(), error) {
 	l.inbox = l.p.nc.NewInbox() + "."
 	l.acks = make(chan *nats.Msg, 2*l.p.cfg.MaxInFlight+64)
-	sub, err := l.p.nc.ChanSubscribe(l.inbox+">", l.acks)
+	sub, err := l.p.nc.ChanSubscribe(l.inbox+"*", l.acks)
 	if err != nil {
 		return nil, fmt.Errorf("lanes: subscribing to acknowledgements: %w", err)
 	}
@@ -54,19 +54,10 @@ func (l *lane) subscribeAcks() (func(), error) {
 // the connection) marks e failed. The generation is read once more after the publish: two
 // locked reads of the connection's statistics per message, not three.
 func (l *lane) send(e *entry, gen uint64) {
-	e.batch, e.bseq = 0, 0
-	if e.reason == "" {
-		l.batch.tail = e
-	}
-	l.publish(e, gen, e.reply)
-}
-
-// publish publishes e with reply subject reply (see send).
-func (l *lane) publish(e *entry, gen uint64, reply string) {
 	e.acked, e.duplicate, e.err = false, false, nil
 	e.gen = gen
 	e.sent = time.Now()
-	e.msg.Reply = reply
+	e.msg.Reply = e.reply
 	if err := l.p.nc.PublishMsg(e.msg); err != nil {
 		e.err = err
 		l.failed = true
@@ -97,10 +88,6 @@ func (l *lane) drainAcks(limit int) {
 // already settled or gone, change nothing: an entry is resent only after it failed, and a late
 // "stored" for it would mean the resend is a duplicate anyway.
 func (l *lane) acknowledge(m *nats.Msg) {
-	if strings.HasSuffix(m.Subject, ".$FI") {
-		l.acknowledgeBatch(m)
-		return
-	}
 	l.answered = time.Now()
 	seq, err := strconv.ParseUint(m.Subject[strings.LastIndexByte(m.Subject, '.')+1:], 10, 64)
 	if err != nil {

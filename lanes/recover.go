@@ -20,7 +20,6 @@ import (
 // stored: a stream that gets its leader back in the middle of a round would store the end of
 // the round and lose its start, whose resend would then land behind it.
 func (l *lane) recover(ctx context.Context) error {
-	l.endBatch()
 	if err := l.settle(ctx); err != nil {
 		return nil // ctx is done: the caller stops the lane
 	}
