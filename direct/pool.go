@@ -30,7 +30,7 @@ type Stats struct {
 	// Dropped counts messages that got no forward: their partition's queue was full, or the
 	// publish failed on the connection (closed, reconnecting). Their publishers get no
 	// acknowledgement and must retry.
-	Dropped uint64
+	Dropped  uint64
 	Failures uint64 // publishes that failed on the connection (each one is also Dropped)
 	Pending  int    // messages waiting in the queues now
 	// Lingering counts released partitions still forwarding until their next owner announces
