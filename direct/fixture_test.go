@@ -232,3 +232,5 @@ func (f *fixture) stream(name string) []jetstream.Msg {
 	}
 	return out
 }
+
+func subjectsPartition(dev string) int { return subjects.Partition(dev, partitions) }

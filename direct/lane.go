@@ -101,20 +101,30 @@ func (l *lane) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			err = nil // released or fenced before it served
 		}
-		l.detach(err)
+		l.stop(err)
 		return
 	}
 	l.live.Store(true)
 	err := l.serve(ctx)
 	l.live.Store(false)
 	if !errors.Is(err, errReleased) {
-		l.detach(err)
+		l.stop(err)
 		return
 	}
 	l.p.lingering.Add(1)
 	defer l.p.lingering.Add(-1)
 	l.detach(nil)
 	l.linger()
+}
+
+// stop ends the lane without a handoff: Run returns err once the server has dropped the lane's
+// subscriptions, so that what is published from then on is not left in a queue nobody takes.
+func (l *lane) stop(err error) {
+	l.unsubscribe()
+	if ferr := l.p.nc.FlushTimeout(time.Second); ferr != nil {
+		l.log.Debug().Err(ferr).Msg("flushing the unsubscribe")
+	}
+	l.detach(err)
 }
 
 // push is the subscription's callback (or dispatch's): it queues m for the lane's goroutine.

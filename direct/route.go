@@ -88,11 +88,18 @@ func (p *Pool) dispatch(m *nats.Msg) {
 		return // another replica's partition
 	}
 	m.Subject = p.shape.stored(m.Subject, part)
+	if len(ls) == 1 {
+		ls[0].push(m)
+		return
+	}
+	// Each lane owns what it is given (it adds headers): copy before the first one has it.
+	msgs := make([]*nats.Msg, len(ls))
+	msgs[0] = m
+	for i := 1; i < len(ls); i++ {
+		msgs[i] = cloneMsg(m)
+	}
 	for i, l := range ls {
-		if i > 0 {
-			m = cloneMsg(m) // each lane owns what it is given: it adds headers
-		}
-		l.push(m)
+		l.push(msgs[i])
 	}
 }
 
