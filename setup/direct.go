@@ -225,7 +225,9 @@ func probeDirect(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) ([]pr
 			return nil, fmt.Errorf("setup: publishing a probe to %s: %w", r.sent, err)
 		}
 	}
-	if err := nc.FlushWithContext(ctx); err != nil {
+	fctx, cancel := context.WithTimeout(ctx, probeWaitDirect)
+	defer cancel()
+	if err := nc.FlushWithContext(fctx); err != nil {
 		return nil, fmt.Errorf("setup: probing direct mode: %w", err)
 	}
 	timer := time.NewTimer(probeWaitDirect)
