@@ -114,6 +114,8 @@ func (l *lane) announce(ctx context.Context) (*answer, error) {
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
+		case errors.Is(err, nats.ErrNoResponders):
+			return nil, nil // nobody forwards the partition
 		case err != nil:
 			l.p.warn("handoff answer", func(e *zerolog.Event) {
 				e.Int("partition", l.a.Partition).Int("parts", parts).Err(err).
@@ -123,8 +125,6 @@ func (l *lane) announce(ctx context.Context) (*answer, error) {
 				return nil, nil
 			}
 			return ans, nil
-		case len(r.Data) == 0 && r.Header.Get("Status") == "503":
-			return nil, nil // no responders: nobody forwards the partition
 		case r.Header.Get(hdrEpoch) != m.Header.Get(hdrEpoch):
 			continue
 		}
