@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 )
 
@@ -101,4 +103,46 @@ func waitTableRevision(t *testing.T, url, id string, rev uint64) {
 		}
 		return nil
 	})
+}
+
+// TestDirectMappingChangeTakesEffectAtOnePoint moves a device between groups while it publishes,
+// with a rebalance in the middle, the device's partition handed from one replica to another: its
+// messages go to each group in turn, each switch at one point, never back (I4).
+func TestDirectMappingChangeTakesEffectAtOnePoint(t *testing.T) {
+	e := newDirectEnv(t, setup.ReceiveMapping)
+	dev := "dev-42"
+	e.put(dev, "group-a")
+	r0 := e.startDirect("r0", setup.ReceiveMapping)
+	e.waitServed("r0")
+	d := e.startDevices([]string{dev}, false)
+	d.waitAcked(100)
+	e.put(dev, "group-b")
+	waitTableRevision(t, e.srv.URL(), "r0", 2)
+	d.waitAcked(100)
+	r1 := e.startDirect("r1", setup.ReceiveMapping)
+	e.waitServed("r0", "r1")
+	e.put(dev, "group-c")
+	for _, id := range []string{"r0", "r1"} {
+		waitTableRevision(t, e.srv.URL(), id, 3)
+	}
+	d.waitAcked(100)
+	r0.stop() // whichever owned the device's partition, it is r1's now
+	e.waitServed("r1")
+	e.put(dev, "group-d")
+	waitTableRevision(t, e.srv.URL(), "r1", 4)
+	d.waitAcked(100)
+	sent, _ := d.halt()
+	msgs := e.readStream("OUTGOING", sent[dev], 30*time.Second)
+	perDevice(t, msgs, sent)
+	var groups []string // the groups in the order the messages went to them
+	for _, m := range msgs {
+		g := strings.Split(m.Subject(), ".")[1]
+		if len(groups) == 0 || groups[len(groups)-1] != g {
+			groups = append(groups, g)
+		}
+	}
+	if want := []string{"group-a", "group-b", "group-c", "group-d"}; !slices.Equal(groups, want) {
+		t.Fatalf("the device's messages went to %v in turn, want %v: each switch at one point", groups, want)
+	}
+	r1.stop()
 }
