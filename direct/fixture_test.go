@@ -64,7 +64,7 @@ func (g *groups) lookup(device string) (string, uint64, string) {
 
 // fixture is a server set up for direct mode in one receive mode, and a device's connection.
 type fixture struct {
-	t       *testing.T
+	t       testing.TB
 	srv     *natstest.Server
 	lay     *subjects.Layout
 	receive direct.Receive
@@ -73,7 +73,7 @@ type fixture struct {
 	groups  *groups
 }
 
-func newFixture(t *testing.T, receive direct.Receive, mods ...func(ctx context.Context, js jetstream.JetStream)) *fixture {
+func newFixture(t testing.TB, receive direct.Receive, mods ...func(ctx context.Context, js jetstream.JetStream)) *fixture {
 	t.Helper()
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", partitions)
 	if err != nil {
@@ -160,7 +160,7 @@ func (f *fixture) run(p *direct.Pool, a direct.Assignment) *running {
 }
 
 // release ends the Run with a release (not a fence) and waits for it to return.
-func (r *running) release(t *testing.T) {
+func (r *running) release(t testing.TB) {
 	t.Helper()
 	r.cancel(errors.New("released"))
 	select {

@@ -21,7 +21,7 @@ import (
 // each acknowledgement, and never retry: any error (no responders, a timeout) is a message
 // that got no PubAck. Payloads are "<device>:<n>"; every other device sets a Nats-Msg-Id.
 type publishers struct {
-	t    *testing.T
+	t    testing.TB
 	wg   sync.WaitGroup
 	stop chan struct{}
 	sent atomic.Int64
