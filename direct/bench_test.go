@@ -17,6 +17,7 @@ import (
 // time goes (the server's is in the same process).
 //
 //	go test -run '^$' -bench Pipeline -benchtime 200000x ./direct/
+//
 // The straight sub-benchmark publishes into OUTGOING itself, with no pool: the reference.
 func BenchmarkPipeline(b *testing.B) {
 	for _, name := range []string{"straight", "provenance", "no-provenance"} {
