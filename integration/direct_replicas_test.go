@@ -287,12 +287,15 @@ func TestDirectGracefulHandoffsLoseNoAcknowledgement(t *testing.T) {
 		reps["r0"] = e.startDirect("r0", r)
 		lw.waitBalanced(t, "r0", "r1", "r2")
 		d.waitAcked(300)
-		sent, _ := d.halt()
+		sent, gaps := d.halt()
 		total := 0
-		for _, n := range sent {
+		var worst time.Duration
+		for dev, n := range sent {
 			total += n
+			worst = max(worst, gaps[dev])
 		}
 		perDevice(t, e.readStream("OUTGOING", total, 30*time.Second), sent)
-		t.Logf("%d messages through 4 rebalances and a SIGTERM, every one acknowledged by OUTGOING", total)
+		t.Logf("%d messages through 4 rebalances and a SIGTERM, every one acknowledged by OUTGOING; the longest a device waited for one was %v",
+			total, worst.Round(time.Millisecond))
 	})
 }
