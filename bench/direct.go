@@ -29,6 +29,8 @@ const (
 	PathStream       = "stream mode (INCOMING, then kvmapper)"
 	PathDirectMapped = "direct mode, mapping"
 	PathDirectAll    = "direct mode, all"
+	// PathDirectProvenance is PathDirectMapped with the provenance headers: what they cost.
+	PathDirectProvenance = "direct mode, mapping, provenance"
 
 	DirectMappedIn = "direct.{device}.{event}"
 	DirectAllIn    = "directall.{device}.{event}"
@@ -115,8 +117,9 @@ func (e *env) direct(ctx context.Context) (*DirectResult, error) {
 				return runStreamReplica(ctx, e.log, e.cfg.URL, id, n, ready)
 			})
 		}},
-		{PathDirectMapped, DirectMappedIn, e.directRun(DirectMappedIn, setup.ReceiveMapping)},
-		{PathDirectAll, DirectAllIn, e.directRun(DirectAllIn, setup.ReceiveAll)},
+		{PathDirectMapped, DirectMappedIn, e.directRun(DirectMappedIn, setup.ReceiveMapping, false)},
+		{PathDirectAll, DirectAllIn, e.directRun(DirectAllIn, setup.ReceiveAll, false)},
+		{PathDirectProvenance, DirectMappedIn, e.directRun(DirectMappedIn, setup.ReceiveMapping, true)},
 	}
 	for _, pth := range paths {
 		names := e.names(directOutgoing)
@@ -127,7 +130,7 @@ func (e *env) direct(ctx context.Context) (*DirectResult, error) {
 		if pth.run != nil {
 			var err error
 			if reps, err = pth.run(ctx, names); err != nil {
-				if pth.name == PathDirectMapped && errors.Is(err, setup.ErrNoMapping) {
+				if pth.in == DirectMappedIn && errors.Is(err, setup.ErrNoMapping) {
 					res.Skipped[pth.name] = "the server lacks the mapping of " + DirectMappedIn + " (the bench's own server has it)"
 					_ = e.dropRun(ctx, names)
 					continue
@@ -165,7 +168,7 @@ func (e *env) direct(ctx context.Context) (*DirectResult, error) {
 }
 
 // directRun returns how to start the in-process direct-mode replicas of one path.
-func (e *env) directRun(in string, r setup.Receive) func(ctx context.Context, n Names) (*replicas, error) {
+func (e *env) directRun(in string, r setup.Receive, provenance bool) func(ctx context.Context, n Names) (*replicas, error) {
 	return func(ctx context.Context, n Names) (*replicas, error) {
 		lay, err := subjects.NewLayout(in, outTemplate, unmappedTemplate, n.Partitions)
 		if err != nil {
@@ -178,7 +181,7 @@ func (e *env) directRun(in string, r setup.Receive) func(ctx context.Context, n 
 			return nil, err
 		}
 		return e.startReplicas(ctx, n, func(ctx context.Context, id string, ready func(*mapper.Replica)) error {
-			return runDirectReplica(ctx, e.log, e.cfg.URL, id, n, lay, r, ready)
+			return runDirectReplica(ctx, e.log, e.cfg.URL, id, n, lay, r, provenance, ready)
 		})
 	}
 }
@@ -389,11 +392,12 @@ func runStreamReplica(ctx context.Context, log zerolog.Logger, url, id string, n
 	return runReplica(ctx, log, url, id, mapper.Config{ID: id, Setup: scfg, Lanes: lanes.Config{Layout: lay, Incoming: n.Incoming}}, ready)
 }
 
-// runDirectReplica runs one direct-mode replica devices reach through lay's in template.
-func runDirectReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names, lay *subjects.Layout, r setup.Receive, ready func(*mapper.Replica)) error {
+// runDirectReplica runs one direct-mode replica devices reach through lay's in template, with the
+// provenance headers or without.
+func runDirectReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names, lay *subjects.Layout, r setup.Receive, provenance bool, ready func(*mapper.Replica)) error {
 	scfg := setup.Config{Layout: lay, Names: n.Names, Mode: setup.ModeDirect, Receive: r}
 	return runReplica(ctx, log, url, id, mapper.Config{ID: id, Setup: scfg, Lanes: lanes.Config{Layout: lay},
-		Direct: direct.Config{NoProvenance: n.NoProvenance}}, ready)
+		Direct: direct.Config{Provenance: provenance}}, ready)
 }
 
 // runReplica runs one replica of cfg on a connection of its own, as `kvmapper run` does, and
@@ -431,7 +435,7 @@ func (d *DirectResult) writeText(p func(format string, a ...any)) {
 	for name, why := range d.Skipped {
 		p("%s\tnot run: %s", name, why)
 	}
-	for _, name := range []string{PathDirectMapped, PathDirectAll} {
+	for _, name := range []string{PathDirectMapped, PathDirectAll, PathDirectProvenance} {
 		a, ok := d.Added[name]
 		if !ok {
 			continue

@@ -35,7 +35,7 @@ func TestRunDirect(t *testing.T) {
 	if d == nil {
 		t.Fatal("Run().Direct = nil")
 	}
-	want := []string{bench.PathStraight, bench.PathStream, bench.PathDirectMapped, bench.PathDirectAll}
+	want := []string{bench.PathStraight, bench.PathStream, bench.PathDirectMapped, bench.PathDirectAll, bench.PathDirectProvenance}
 	if len(d.Paths) != len(want) {
 		t.Fatalf("%d paths (skipped %v), want %v", len(d.Paths), d.Skipped, want)
 	}

@@ -20,7 +20,7 @@ import (
 //
 // The straight sub-benchmark publishes into OUTGOING itself, with no pool: the reference.
 func BenchmarkPipeline(b *testing.B) {
-	for _, name := range []string{"straight", "provenance", "no-provenance"} {
+	for _, name := range []string{"straight", "plain", "provenance"} {
 		b.Run(name, func(b *testing.B) {
 			f := newFixture(b, direct.ReceiveMapping)
 			devs := make([]string, 64)
@@ -30,7 +30,7 @@ func BenchmarkPipeline(b *testing.B) {
 			}
 			prefix := "outgoing.group-a."
 			if name != "straight" {
-				p := f.pool("a", nil, func(c *direct.Config) { c.NoProvenance = name == "no-provenance" })
+				p := f.pool("a", nil, func(c *direct.Config) { c.Provenance = name == "provenance" })
 				f.runAll(p, 1)
 				prefix = "incoming."
 			}

@@ -149,14 +149,14 @@ func TestTooLargeForOutgoingGetsOutgoingsError(t *testing.T) {
 
 // The payload arrives byte for byte; the device's headers, its Nats-Msg-Id and a
 // Nats-Expected-Stream naming OUTGOING among them, arrive as they were sent; the pool adds its
-// provenance headers and nothing else, and with NoProvenance nothing at all.
+// provenance headers when asked to and nothing else, and by default nothing at all.
 func TestHeadersAndPayloadPassThrough(t *testing.T) {
 	payload := []byte{0, 1, 2, 0xff, '\n', 0, 'x'}
 	for _, noProv := range []bool{false, true} {
 		t.Run(map[bool]string{false: "provenance", true: "no-provenance"}[noProv], func(t *testing.T) {
 			f := newFixture(t, direct.ReceiveMapping)
 			f.groups.set("dev-7", "group-a")
-			p := f.pool("r1", nil, func(c *direct.Config) { c.NoProvenance = noProv })
+			p := f.pool("r1", nil, func(c *direct.Config) { c.Provenance = !noProv })
 			f.runAll(p, 5)
 			m := nats.NewMsg("incoming.dev-7.temp")
 			m.Data = payload

@@ -283,19 +283,19 @@ func (l *lane) handle(m *nats.Msg) {
 // of a dead letter and the provenance headers.
 func (l *lane) forward(m *nats.Msg, subject string, rev uint64, reason string) {
 	h := m.Header
-	if h == nil && (reason != "" || !l.p.cfg.NoProvenance) {
+	if h == nil && (reason != "" || l.p.cfg.Provenance) {
 		h = nats.Header{}
 	}
 	if reason != "" {
 		h[HeaderReason] = []string{reason}
 		h[HeaderSubject] = []string{m.Subject}
 	}
-	if !l.p.cfg.NoProvenance {
+	if l.p.cfg.Provenance {
 		h[HeaderPartition], h[HeaderEpoch], h[HeaderRevision] = l.partHdr, l.epochHdr, l.revision(rev)
 	}
 	l.out = nats.Msg{Subject: subject, Reply: m.Reply, Header: h, Data: m.Data}
 	err := l.p.nc.PublishMsg(&l.out)
-	if errors.Is(err, nats.ErrMaxPayload) && !l.p.cfg.NoProvenance {
+	if errors.Is(err, nats.ErrMaxPayload) && l.p.cfg.Provenance {
 		// The device's message fitted; ours is larger by the provenance headers alone.
 		delete(h, HeaderPartition)
 		delete(h, HeaderEpoch)
