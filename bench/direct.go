@@ -312,7 +312,7 @@ func (e *env) directPath(ctx context.Context, name string, subject func(i int) s
 		return res, fmt.Errorf("windowed run: %w", err)
 	}
 	res.AckedPerSec = float64(msgs) / time.Since(tstart).Seconds()
-	w, err := e.waitCount(ctx, directOutgoing, uint64(msgs), tstart, name)
+	w, err := e.waitCount(ctx, directOutgoing, uint64(msgs), tstart, "windowed run")
 	if err != nil {
 		return res, err
 	}
