@@ -110,6 +110,12 @@ type Config struct {
 	// AnswerTimeout is how long a new owner waits for the previous owner's answer to its
 	// announcement before it serves on its own. Default 2s.
 	AnswerTimeout time.Duration
+	// HandoffSettle is how long an old owner goes on forwarding (and recording) after its handoff
+	// marker has come back, before it unsubscribes: a message the server matched against the
+	// subscriptions just before the new owner's existed may reach the old owner that late (its
+	// publisher's goroutine in the server was descheduled in between). The new owner holds what
+	// it receives meanwhile: a handoff delays the partition's PubAcks by about this. Default 50ms.
+	HandoffSettle time.Duration
 	// MaxRecorded bounds the reply subjects a released partition remembers for its next owner.
 	// Past it the partition stops forwarding and waits for the announcement. Default 1<<20.
 	MaxRecorded int
@@ -161,6 +167,9 @@ func (c *Config) setDefaults() error {
 	if c.AnswerTimeout == 0 {
 		c.AnswerTimeout = 2 * time.Second
 	}
+	if c.HandoffSettle == 0 {
+		c.HandoffSettle = 50 * time.Millisecond
+	}
 	if c.MaxRecorded == 0 {
 		c.MaxRecorded = 1 << 20
 	}
@@ -171,7 +180,7 @@ func (c *Config) setDefaults() error {
 		c.QueueBytes = 4 << 20
 	}
 	switch {
-	case c.HandoffTimeout < 0, c.AnswerTimeout < 0:
+	case c.HandoffTimeout < 0, c.AnswerTimeout < 0, c.HandoffSettle < 0:
 		return fmt.Errorf("%w: durations must be positive", ErrInvalidConfig)
 	case c.MaxRecorded < 0, c.QueueMessages < 0, c.QueueBytes < 0:
 		return fmt.Errorf("%w: MaxRecorded, QueueMessages and QueueBytes must be positive", ErrInvalidConfig)

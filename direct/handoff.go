@@ -187,8 +187,12 @@ func (l *lane) linger() {
 	}
 }
 
-// cutover ends a handoff: it publishes a marker on the lane's own subscription, forwards
-// everything that arrived before it, stops receiving and answers the announcement m.
+// cutover ends a handoff: it publishes a marker on the lane's own subscription and forwards
+// everything that arrives before it, and for HandoffSettle after it; then it stops receiving,
+// forwards what is still queued and answers the announcement m. The settle covers a message the
+// server matched against the subscriptions before the new owner's existed and delivers only
+// later: unsubscribed at once, the old owner would miss it too, and its publisher would get no
+// responders.
 func (l *lane) cutover(m *nats.Msg) {
 	if !l.cut {
 		l.marker = l.p.nonce(l.a)
@@ -199,21 +203,32 @@ func (l *lane) cutover(m *nats.Msg) {
 		mk.Header.Set(HeaderMarker, l.marker)
 		if err := l.p.nc.PublishMsg(mk); err != nil {
 			l.log.Warn().Err(err).Msg("publishing the handoff marker failed")
-			l.cut = true
+			l.markerSeen = true
 		}
 		timeout := time.NewTimer(l.p.cfg.AnswerTimeout)
-		for !l.cut {
+		for !l.markerSeen && !l.cut {
 			select {
 			case <-l.q.ready:
 				l.process(false)
 			case <-timeout.C:
 				l.log.Warn().Msg("the handoff marker did not come back in time: handing over without it")
-				l.cut = true
+				l.markerSeen = true
 			}
 		}
 		timeout.Stop()
+		settle := time.NewTimer(l.p.cfg.HandoffSettle)
+		for settling := true; settling && !l.cut; {
+			select {
+			case <-l.q.ready:
+				l.process(false)
+			case <-settle.C:
+				settling = false
+			}
+		}
+		settle.Stop()
 	}
 	l.unsubscribeData()
+	l.process(false) // what was queued before the unsubscribe
 	l.answer(m, false)
 	l.log.Debug().Int("forwarded_during_handoff", len(l.recorded)).Str("new_owner", m.Header.Get(hdrReplica)).
 		Msg("partition handed over")

@@ -52,10 +52,11 @@ type lane struct {
 	skipUntil time.Time
 	// recording is set once the lane is released: it remembers in recorded the reply subject of
 	// every message it forwards, for its next owner.
-	recording bool
-	recorded  []string
-	marker    string // the value of this lane's handoff marker, once published
-	cut       bool   // the lane forwards nothing more: its marker arrived, or recorded is full
+	recording  bool
+	recorded   []string
+	marker     string // the value of this lane's handoff marker, once published
+	markerSeen bool   // the marker came back: what was delivered before the announcement is forwarded
+	cut        bool   // recorded is full: the lane forwards nothing more
 
 	fields   subjects.Fields
 	buf      []byte
@@ -229,7 +230,7 @@ func (l *lane) process(checkLease bool) bool {
 	}
 	for i, m := range batch {
 		if l.cut {
-			return true // everything from here on is the next owner's
+			return true // recorded is full: the next owner forwards everything from here on
 		}
 		if checkLease && i%validEvery == 0 && !l.valid() {
 			return false
@@ -243,9 +244,9 @@ func (l *lane) process(checkLease bool) bool {
 func (l *lane) handle(m *nats.Msg) {
 	if v := m.Header.Get(HeaderMarker); v != "" && m.Subject == l.markerSubject {
 		if v == l.marker {
-			l.cut = true
+			l.markerSeen = true
 		}
-		return // a marker: ours ends the handoff; another lane's is not ours to forward
+		return // a marker: ours says the handoff may end; another lane's is not ours to forward
 	}
 	if l.skip != nil && m.Reply != "" {
 		if _, ok := l.skip[m.Reply]; ok {

@@ -54,8 +54,8 @@ type PartitionStats struct {
 // that the lease can be deleted and claimed) and the partition goes on forwarding, remembering
 // the reply subject of each message it forwards. Its next owner subscribes, then announces itself
 // on <HandoffPrefix>.<p> and holds what it receives. The old owner, on the announcement, publishes
-// a marker on its own subscription and forwards everything before it; then it unsubscribes and
-// answers with the reply subjects it forwarded since the release. The new owner forwards what it
+// a marker on its own subscription and forwards everything before it, and for HandoffSettle more;
+// then it unsubscribes and answers with the reply subjects it forwarded since the release. The new owner forwards what it
 // held except those, then everything after. A js.Publish has a reply subject of its own, so every
 // message is forwarded once, in order, and none waits for an owner. A message without a reply
 // subject cannot be told apart: one that arrives while both hold the partition is forwarded by
