@@ -20,7 +20,6 @@ type ackPublisher struct {
 	nc     *nats.Conn
 	prefix string
 	slots  chan struct{} // the window; nil for none
-	buf    []byte
 	sent   int
 
 	mu      sync.Mutex
