@@ -162,6 +162,10 @@ func (l *lane) linger() {
 		}
 	}
 	l.recording = true
+	for _, r := range l.recent[l.recentHead:] {
+		l.recorded = append(l.recorded, r.reply)
+	}
+	l.recent = nil
 	deadline := time.NewTimer(l.p.cfg.HandoffTimeout)
 	defer deadline.Stop()
 	for {

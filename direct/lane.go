@@ -35,8 +35,12 @@ type lane struct {
 	dataSubject   string             // what the lane receives: the partition, or every device subject
 	markerSubject string             // where its handoff marker goes, as it arrives
 	data          *nats.Subscription // ReceiveMapping: the partition's subscription
-	routed        bool               // ReceiveAll: dispatch feeds it
-	handoff       *nats.Subscription // announcements of newer owners, once it serves
+	routed        bool               // ReceiveAll: dispatch feeds it, or will from its start marker on
+	// activated is closed, by dispatch, once the lane's start marker has arrived and it is fed
+	// (ReceiveAll).
+	activated    chan struct{}
+	activateOnce sync.Once
+	handoff      *nats.Subscription // announcements of newer owners, once it serves
 	// announces carries those announcements from handoff's callback, which drops what does not
 	// fit; nobody closes it.
 	announces chan *nats.Msg
@@ -50,6 +54,14 @@ type lane struct {
 	// drops them when they reach it, until skipUntil.
 	skip      map[string]struct{}
 	skipUntil time.Time
+	// recent holds, with ReceiveAll, the reply subjects the lane forwarded in the last
+	// HandoffSettle while it served (from recentHead on): the replica's subscription delivers to
+	// the next owner's pool on its own schedule, which may lag this one's, so the next owner may
+	// hold a message this lane forwarded just before it was released. now is when the batch being
+	// processed was taken.
+	recent     []recentReply
+	recentHead int
+	now        time.Time
 	// recording is set once the lane is released: it remembers in recorded the reply subject of
 	// every message it forwards, for its next owner.
 	recording  bool
@@ -77,6 +89,7 @@ func newLane(p *Pool, a Assignment) *lane {
 		dataSubject:   data,
 		markerSubject: marker,
 		announces:     make(chan *nats.Msg, 8),
+		activated:     make(chan struct{}),
 		detached:      make(chan struct{}),
 		buf:           make([]byte, 0, 256),
 		partHdr:       []string{strconv.Itoa(a.Partition)},
@@ -140,15 +153,35 @@ func (l *lane) push(m *nats.Msg) {
 	})
 }
 
-// subscribe starts receiving the partition and makes sure the server has the subscription.
+// activate says that dispatch feeds the lane (ReceiveAll); later calls do nothing.
+func (l *lane) activate() { l.activateOnce.Do(func() { close(l.activated) }) }
+
+// subscribe starts receiving the partition and makes sure the server has the subscription. With
+// ReceiveAll the replica's subscription predates the lane, and what it delivers can lag: a message
+// the server sent before the previous owner released the partition may still be on its way. So the
+// lane is fed only from a start marker on, which it publishes on that subscription now: whatever
+// comes after the marker was sent after this moment.
 func (l *lane) subscribe() error {
 	if l.p.cfg.Receive == ReceiveAll {
 		if err := l.p.subscribeShared(); err != nil {
 			return err
 		}
-		l.p.route(l, true, "")
+		start := l.p.nonce(l.a)
+		l.p.route(l, false, start)
 		l.routed = true
-		return nil
+		mk := nats.NewMsg(l.p.markerSubject)
+		mk.Header.Set(HeaderMarker, start)
+		if err := l.p.nc.PublishMsg(mk); err != nil {
+			return errors.Join(errors.New("direct: publishing the start marker"), err)
+		}
+		t := time.NewTimer(l.p.cfg.AnswerTimeout)
+		defer t.Stop()
+		select {
+		case <-l.activated:
+			return nil
+		case <-t.C:
+			return errors.New("direct: the start marker did not come back within the answer timeout")
+		}
 	}
 	sub, err := l.p.nc.Subscribe(l.dataSubject, l.push)
 	if err == nil {
@@ -221,6 +254,7 @@ func (l *lane) serve(ctx context.Context) error {
 // get no acknowledgement and retry) and reports false.
 func (l *lane) process(checkLease bool) bool {
 	batch := l.q.take(l.spare)
+	l.now = time.Now()
 	defer func() {
 		clear(batch)
 		l.spare = batch
@@ -316,6 +350,9 @@ func (l *lane) forward(m *nats.Msg, subject string, rev uint64, reason string) {
 	} else {
 		l.p.countUnmapped(reason)
 	}
+	if l.p.cfg.Receive == ReceiveAll && !l.recording && m.Reply != "" {
+		l.remember(m.Reply)
+	}
 	if l.recording && m.Reply != "" {
 		l.recorded = append(l.recorded, m.Reply)
 		if len(l.recorded) >= l.p.cfg.MaxRecorded {
@@ -330,4 +367,25 @@ func (l *lane) revision(rev uint64) []string {
 		l.rev, l.revHdr = rev, []string{strconv.FormatUint(rev, 10)}
 	}
 	return l.revHdr
+}
+
+// recentReply is one reply subject a serving lane forwarded, and when.
+type recentReply struct {
+	at    time.Time
+	reply string
+}
+
+// remember adds reply to recent and forgets what is older than HandoffSettle.
+func (l *lane) remember(reply string) {
+	l.recent = append(l.recent, recentReply{at: l.now, reply: reply})
+	cutoff := l.now.Add(-l.p.cfg.HandoffSettle)
+	for l.recentHead < len(l.recent) && l.recent[l.recentHead].at.Before(cutoff) {
+		l.recent[l.recentHead] = recentReply{}
+		l.recentHead++
+	}
+	if l.recentHead > len(l.recent)/2 && l.recentHead > 64 {
+		n := copy(l.recent, l.recent[l.recentHead:])
+		clear(l.recent[n:])
+		l.recent, l.recentHead = l.recent[:n], 0
+	}
 }

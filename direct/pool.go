@@ -55,7 +55,10 @@ type PartitionStats struct {
 // the reply subject of each message it forwards. Its next owner subscribes, then announces itself
 // on <HandoffPrefix>.<p> and holds what it receives. The old owner, on the announcement, publishes
 // a marker on its own subscription and forwards everything before it, and for HandoffSettle more;
-// then it unsubscribes and answers with the reply subjects it forwarded since the release. The new owner forwards what it
+// then it unsubscribes and answers with the reply subjects it forwarded since the release (with
+// ReceiveAll, since HandoffSettle before it: each replica's subscription delivers on its own
+// schedule, and a new owner, fed from a start marker of its own, may hold a message the old one
+// forwarded just before). The new owner forwards what it
 // held except those, then everything after. A js.Publish has a reply subject of its own, so every
 // message is forwarded once, in order, and none waits for an owner. A message without a reply
 // subject cannot be told apart: one that arrives while both hold the partition is forwarded by
@@ -196,8 +199,10 @@ func (p *Pool) subscribeShared() error {
 	return nil
 }
 
-// route changes the lanes dispatch feeds: add or remove l for its partition, and its marker.
-func (p *Pool) route(l *lane, add bool, marker string) {
+// route changes what dispatch does for lane l: feed it its partition's messages or not, and route
+// the marker value marker to it ("" for none). A lane routed a marker but not fed is fed from the
+// moment dispatch meets that marker (see lane.subscribe).
+func (p *Pool) route(l *lane, feed bool, marker string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	old := p.routes.Load()
@@ -209,11 +214,11 @@ func (p *Pool) route(l *lane, add bool, marker string) {
 	}
 	part := l.a.Partition
 	ls := slices.DeleteFunc(slices.Clone(rt.byPartition[part]), func(x *lane) bool { return x == l })
-	if add {
+	if feed {
 		ls = append(ls, l)
-		if marker != "" {
-			rt.markers[marker] = l
-		}
+	}
+	if marker != "" {
+		rt.markers[marker] = l
 	}
 	rt.byPartition[part] = ls
 	p.routes.Store(rt)

@@ -1,6 +1,7 @@
 package direct
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -60,8 +61,8 @@ func (s shape) stored(subject string, p int) string {
 func splitSubject(s string) []string { return strings.Split(s, ".") }
 
 // routes are the lanes the shared subscription of [ReceiveAll] feeds, by partition (several while
-// a partition passes from one lane of the pool to another), and the lanes waiting for their
-// handoff marker, by the marker's value. A routes value is immutable: it is replaced whole.
+// a partition passes from one lane of the pool to another), and the lanes waiting for a marker of
+// theirs, by the marker's value. A routes value is immutable: it is replaced whole.
 type routes struct {
 	byPartition [][]*lane
 	markers     map[string]*lane
@@ -74,6 +75,11 @@ func (p *Pool) dispatch(m *nats.Msg) {
 	rt := p.routes.Load()
 	if v := m.Header.Get(HeaderMarker); v != "" && m.Subject == p.markerSubject {
 		if l := rt.markers[v]; l != nil {
+			if !slices.Contains(rt.byPartition[l.a.Partition], l) {
+				// A joining lane's start marker: it is fed from the next message on.
+				p.route(l, true, "")
+				l.activate()
+			}
 			l.push(m)
 		}
 		return
