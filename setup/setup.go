@@ -34,16 +34,16 @@ type Config struct {
 	subjects.Names
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
-	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
-	DuplicateWindow time.Duration
-	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
-	LimitMarkerTTL time.Duration
 	// Mode is what devices publish into: INCOMING ([ModeStream], the default), or nothing
 	// ([ModeDirect]), when Ensure creates no INCOMING and checks the server with [CheckDirect].
 	Mode Mode
 	// Receive says, in direct mode, whether the server must stamp the partitions with its account
 	// mapping ([ReceiveMapping], the default) or must not ([ReceiveAll]).
 	Receive Receive
+	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
+	DuplicateWindow time.Duration
+	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
+	LimitMarkerTTL time.Duration
 }
 
 // Defaults fills in the zero fields of c.
