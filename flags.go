@@ -32,6 +32,10 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
 		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
+		&cli.StringFlag{Name: "mode", Value: string(setup.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
+			"direct (no INCOMING: each partition's owner receives what devices publish over core NATS and republishes it with the device's reply subject, so the device's PubAck comes from OUTGOING)", EnvVars: env("MODE")},
+		&cli.StringFlag{Name: "direct-receive", Value: string(setup.ReceiveMapping), Usage: "direct mode: mapping (the server's account mapping stamps the partition; each owner subscribes to its partitions: setup checks it and prints it, run --embedded sets it) or " +
+			"all (no server configuration: every replica subscribes to every device subject and keeps its partitions)", EnvVars: env("DIRECT_RECEIVE")},
 	}
 }
 
@@ -97,8 +101,18 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	if err != nil {
 		return setup.Config{}, usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
 	}
+	mode, err := setup.ParseMode(c.String("mode"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --mode: use %s or %s", c.String("mode"), setup.ModeStream, setup.ModeDirect)
+	}
+	receive, err := setup.ParseReceive(c.String("direct-receive"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --direct-receive: use %s or %s", c.String("direct-receive"), setup.ReceiveMapping, setup.ReceiveAll)
+	}
 	cfg := setup.Config{
-		Layout: lay,
+		Mode:    mode,
+		Receive: receive,
+		Layout:  lay,
 		Names: subjects.Names{
 			Incoming:     c.String("incoming-stream"),
 			Outgoing:     c.String("outgoing-stream"),
