@@ -23,8 +23,10 @@ import (
 var (
 	// errAckTimeout marks a publish whose acknowledgement did not come within PublishTimeout.
 	errAckTimeout = errors.New("lanes: no acknowledgement within the publish timeout")
-	// errNoStream marks a publish no stream took: OUTGOING or UNMAPPED does not exist.
-	errNoStream = errors.New("lanes: no stream captures the subject (does OUTGOING/UNMAPPED exist? run kvmapper setup)")
+	// errNoStream marks a publish nothing answered at once ("no responders"): no stream
+	// captures the subject, or the stream that does has no leader (on a cluster, while it
+	// elects one).
+	errNoStream = errors.New("lanes: no stream took the message: OUTGOING or UNMAPPED does not exist (run kvmapper setup) or, on a cluster, is electing its leader")
 	// errBadAck marks an acknowledgement the lane cannot read.
 	errBadAck = errors.New("lanes: unreadable acknowledgement")
 	// errStalled marks a publish in flight when the server had answered nothing for
