@@ -22,9 +22,21 @@ import (
 // deleted consumer, a stream deleted.
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
+	create, timeouts := consumerCreateTimeout, 0
 	for ctx.Err() == nil {
 		from := next
-		err := l.consume(ctx, &next, out)
+		err := l.consume(ctx, &next, out, create)
+		switch {
+		case errors.Is(err, errCreateTimedOut):
+			// One lost creation is a dead server's; more in a row, a cluster slow to answer,
+			// which is not to be asked ever faster: from the second on, each waits twice as
+			// long, up to maxConsumerCreateTimeout.
+			if timeouts++; timeouts > 1 {
+				create = min(2*create, maxConsumerCreateTimeout)
+			}
+		case err == nil || next != from:
+			create, timeouts = consumerCreateTimeout, 0
+		}
 		if ctx.Err() != nil {
 			return
 		}
@@ -60,13 +72,21 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 // on through a new one from the last sequence it handed on.
 var errReaderGap = errors.New("lanes: a delivery of the consumer was lost")
 
-// consumerCreateTimeout bounds the creation of a lane's consumer. On a cluster, the meta leader
-// takes a crashed server for offline only once its heartbeats have been missing for minutes
-// (nats-server 2.15 events.go, orphMax = 5 × 30s), and may place a consumer created meanwhile on
-// that server, which never answers: the lane gives up on it after this and creates another,
-// under another name, placed again. (nats.go's ordered consumer waits 10s per attempt and, by
-// default, retries the same name for ever.)
-const consumerCreateTimeout = 2 * time.Second
+// consumerCreateTimeout bounds the creation of a lane's consumer at first. On a cluster, the
+// meta leader takes a crashed server for offline only once its heartbeats have been missing for
+// minutes (nats-server 2.15 events.go, orphMax = 5 × 30s), and may place a consumer created
+// meanwhile on that server, which never answers: the lane gives up on it after this and creates
+// another, under another name, placed again. From the second creation in a row that times out,
+// each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
+// answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by default, retries
+// the same name for ever.)
+const (
+	consumerCreateTimeout    = 2 * time.Second
+	maxConsumerCreateTimeout = 10 * time.Second
+)
+
+// errCreateTimedOut reports a consumer creation that got no answer in time.
+var errCreateTimedOut = errors.New("lanes: no answer to the creation of a consumer")
 
 // consumerInactive is how long the server keeps a lane's consumer that nobody reads, when the
 // lane could not delete it (its process died).
@@ -77,7 +97,7 @@ const consumerInactive = time.Minute
 // a bounded creation: it returns when the consumer fails in any way, and read creates the next
 // one. Each delivery's consumer sequence must follow the last one's; a gap (a delivery lost in a
 // reconnect) ends the consumer. It deletes its consumer on the way out.
-func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
+func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, createTimeout time.Duration) error {
 	name := "kvmapper_" + strconv.Itoa(l.a.Partition) + "_" + nats.NewInbox()[len(nats.InboxPrefix):]
 	cfg := jetstream.ConsumerConfig{
 		Name:              name,
@@ -90,8 +110,9 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 		// One filter subject: a filtered read walks the stream, and more filters cost more.
 		FilterSubject: l.filter,
 	}
-	cctx, cancel := context.WithTimeout(ctx, consumerCreateTimeout)
+	cctx, cancel := context.WithTimeout(ctx, createTimeout)
 	cons, err := l.p.js.CreateConsumer(cctx, l.stream, cfg)
+	timedOut := cctx.Err() != nil && ctx.Err() == nil
 	cancel()
 	defer func() {
 		// Also when the create timed out: it may have been applied after all.
@@ -99,6 +120,9 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 		_ = l.p.js.DeleteConsumer(dctx, l.stream, name)
 		cancel()
 	}()
+	if err != nil && timedOut {
+		return fmt.Errorf("%w on %s within %v: %w", errCreateTimedOut, l.stream, createTimeout, err)
+	}
 	if err != nil {
 		return fmt.Errorf("creating a consumer on %s: %w", l.stream, err)
 	}
