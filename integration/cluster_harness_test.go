@@ -586,8 +586,9 @@ func (e *clusterEnv) check(total int, windows []window) {
 		}
 		var gap, delay time.Duration
 		var at time.Time
+		// A gap belongs to the window its end falls in: a fault's gap starts before it.
 		for i := 1; i < len(times); i++ {
-			if times[i].Before(w.from) || times[i-1].After(w.to) {
+			if !times[i].After(w.from) || times[i].After(w.to) {
 				continue
 			}
 			if d := times[i].Sub(times[i-1]); d > gap {
@@ -597,7 +598,7 @@ func (e *clusterEnv) check(total int, windows []window) {
 		}
 		var inGap time.Duration
 		for i := 1; i < len(inTimes); i++ {
-			if !inTimes[i].Before(w.from) && !inTimes[i-1].After(w.to) {
+			if inTimes[i].After(w.from) && !inTimes[i].After(w.to) {
 				inGap = max(inGap, inTimes[i].Sub(inTimes[i-1]))
 			}
 		}
