@@ -174,8 +174,8 @@ func TestClusterRidesThroughNodeLoss(t *testing.T) {
 
 // TestClusterRidesThroughNodeLossPartitionStreams is the same in the streams layout, where each
 // partition has its stream and its leader: a step-down of a partition stream, then the kill of
-// the node that leads the most partition streams (and the server of one replica), restarted
-// after missing writes. Nothing may be lost, duplicated or reordered, and no partition may
+// the node that leads the most partition streams and the control bucket (and is the server of
+// one replica), restarted after missing writes. Nothing may be lost, duplicated or reordered, and no partition may
 // change owner.
 func TestClusterRidesThroughNodeLossPartitionStreams(t *testing.T) {
 	start := time.Now()
@@ -205,6 +205,11 @@ func TestClusterRidesThroughNodeLossPartitionStreams(t *testing.T) {
 		if n > led[node] {
 			node = i
 		}
+	}
+	// It leads the control bucket too: its death is an election of the control bucket and of
+	// many partition streams at once.
+	if control := subjects.BucketStream(e.names.Control); e.leader(control) != node {
+		windows = append(windows, e.stepDown(nc, control, node))
 	}
 	var ledStreams []string
 	for _, s := range e.streams() {
