@@ -27,23 +27,30 @@ func benchCommand() *cli.Command {
 		Name:  "bench",
 		Usage: "measure kvmapper against the alternatives, in one run against one NATS server",
 		Description: "Runs, against the same server and data: throughput beside a server-side stream copy (the upper\n" +
-			"bound), a server-side subject transform and a naive mapper (sync publish per message); end-to-end\n" +
+			"bound), a server-side subject transform, a careful hand-written mapper (durable consumer, async publish\n" +
+			"window, ack after PubAck), two relays (unfiltered ordered consumers into async publishes, or into\n" +
+			"fast-ingest batches: the ceiling) and a naive mapper (sync publish per message); end-to-end\n" +
 			"latency beside publishing straight into OUTGOING; how fast a group change takes effect; the groups\n" +
 			"table at 1M devices; and the gap when a replica process is killed. Ratios matter, not absolute figures.\n\n" +
 			"It starts its own NATS server as a child process unless --server is given, and uses only streams and\n" +
 			"buckets named BENCH_… and bench-… (it refuses a server holding others).\n\n" +
-			"   Quick look:   kvmapper bench --messages 200000 --table-devices 200000 --duration 5s",
+			"Lists in --messages, --partitions, --replicas and --layout run the throughput bench once per\n" +
+			"combination and end with a table of kvmapper against each contender in every run.\n\n" +
+			"   Quick look:   kvmapper bench --messages 200000 --table-devices 200000 --duration 5s\n" +
+			"   Issue 10:     kvmapper bench --messages 100000,1000000 --partitions 16,64 --replicas 1,3 --layout single,streams",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Usage: "NATS server URL to measure against (default: start one as a child process)"},
 			&cli.StringFlag{Name: "data-dir", Usage: "JetStream data of the child server (default: a temporary directory, removed after)"},
 			&cli.StringFlag{Name: "only", Usage: "comma-separated sub-benchmarks to run: " + strings.Join(bench.All, ",") + " (default: all)"},
-			&cli.IntFlag{Name: "messages", Value: 1_000_000, Usage: "throughput: messages to map"},
+			&cli.StringFlag{Name: "messages", Value: "1000000", Usage: "throughput: messages to map (a comma-separated list runs the throughput bench once for each)"},
 			&cli.IntFlag{Name: "naive-messages", Value: 50_000, Usage: "throughput: messages the naive mapper maps (its rate is steady, and it is slow)"},
 			&cli.IntFlag{Name: "devices", Value: 10_000, Usage: "devices publishing, all mapped"},
 			&cli.IntFlag{Name: "payload", Value: 128, Usage: "message size in bytes"},
-			&cli.IntFlag{Name: "partitions", Value: 16, Usage: "partitions of INCOMING"},
-			&cli.IntFlag{Name: "replicas", Value: 1, Usage: "in-process kvmapper replicas for throughput, latency and mapping"},
-			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (the bench's own server gets the mapping; a --server must have it)"},
+			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
+			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
+			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (the bench's own server gets the mapping; a --server must have it; a list: once each, on a server of its own)"},
+			&cli.StringFlag{Name: "contenders", Usage: "comma-separated throughput contenders: " + strings.Join(contenderKeys(), ",") + " (default: all)"},
+			&cli.StringFlag{Name: "profile-contender", Value: "kvmapper", Usage: "the throughput contender --cpuprofile, --memprofile and --server-cpuprofile cover"},
 			&cli.IntFlag{Name: "rate", Value: 10_000, Usage: "latency: publish rate, msgs/s"},
 			&cli.DurationFlag{Name: "duration", Value: 10 * time.Second, Usage: "latency: length of each run"},
 			&cli.IntFlag{Name: "changes", Value: 200, Usage: "mapping: group changes to time"},
@@ -62,16 +69,110 @@ func benchCommand() *cli.Command {
 	}
 }
 
+func contenderKeys() []string {
+	var keys []string
+	for _, k := range bench.Keys {
+		keys = append(keys, k.Key)
+	}
+	return keys
+}
+
+// list splits a comma-separated flag value.
+func list(c *cli.Context, name string) []string {
+	var out []string
+	for v := range strings.SplitSeq(c.String(name), ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// intList reads a comma-separated list of positive integers.
+func intList(c *cli.Context, name string) ([]int, error) {
+	var out []int
+	for _, v := range list(c, name) {
+		n, err := strconv.Atoi(strings.ReplaceAll(v, "_", ""))
+		if err != nil || n < 1 {
+			return nil, usagef("invalid value %q for flag --%s: want positive integers, comma-separated", v, name)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, usagef("flag --%s is empty", name)
+	}
+	return out, nil
+}
+
+// sweep is what the list flags ask for: every combination, the layouts and partition counts
+// outermost (each needs a server of its own).
+type sweep struct {
+	messages, partitions, replicas []int
+	layouts                        []subjects.StreamLayout
+}
+
+func (w sweep) runs() int {
+	return len(w.messages) * len(w.partitions) * len(w.replicas) * len(w.layouts)
+}
+
+func parseSweep(c *cli.Context) (sweep, error) {
+	var w sweep
+	var err error
+	if w.messages, err = intList(c, "messages"); err != nil {
+		return w, err
+	}
+	if w.partitions, err = intList(c, "partitions"); err != nil {
+		return w, err
+	}
+	if w.replicas, err = intList(c, "replicas"); err != nil {
+		return w, err
+	}
+	for _, l := range list(c, "layout") {
+		sl, err := subjects.ParseStreamLayout(l)
+		if err != nil {
+			return w, usagef("invalid value %q for flag --layout: use %s or %s", l, subjects.SingleStream, subjects.PartitionStreams)
+		}
+		w.layouts = append(w.layouts, sl)
+	}
+	if len(w.layouts) == 0 {
+		return w, usagef("flag --layout is empty")
+	}
+	return w, nil
+}
+
 func benchAction(c *cli.Context) error {
 	log, err := logger(c, c.App.ErrWriter)
 	if err != nil {
 		return err
 	}
-	var only []string
-	if s := c.String("only"); s != "" {
-		for o := range strings.SplitSeq(s, ",") {
-			only = append(only, strings.TrimSpace(o))
+	only := list(c, "only")
+	var contenders []string
+	for _, k := range list(c, "contenders") {
+		name, ok := bench.ContenderName(k)
+		if !ok {
+			return usagef("invalid value %q for flag --contenders: choose among %s", k, strings.Join(contenderKeys(), ", "))
 		}
+		contenders = append(contenders, name)
+	}
+	profile, ok := bench.ContenderName(c.String("profile-contender"))
+	if !ok {
+		return usagef("invalid value %q for flag --profile-contender: choose among %s", c.String("profile-contender"), strings.Join(contenderKeys(), ", "))
+	}
+	w, err := parseSweep(c)
+	if err != nil {
+		return err
+	}
+	profiling := c.String("cpuprofile") != "" || c.String("memprofile") != "" || c.String("server-cpuprofile") != ""
+	if w.runs() > 1 {
+		switch {
+		case len(only) > 1 || len(only) == 1 && only[0] != bench.Throughput:
+			return usagef("lists in --messages, --partitions, --replicas or --layout run the throughput bench only: drop --only or give --only throughput")
+		case profiling:
+			return usagef("profiles cover one run: give single values to --messages, --partitions, --replicas and --layout")
+		case c.String("server") != "" && (len(w.partitions) > 1 || len(w.layouts) > 1):
+			return usagef("lists in --partitions or --layout need the bench's own server (the streams layout's mapping names the partitions): drop --server")
+		}
+		only = []string{bench.Throughput}
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -80,20 +181,14 @@ func benchAction(c *cli.Context) error {
 		return err
 	}
 
-	sl, err := subjects.ParseStreamLayout(c.String("layout"))
-	if err != nil {
-		return usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
-	}
 	cfg := bench.Config{
-		StreamLayout:     sl,
 		URL:              c.String("server"),
 		Only:             only,
-		Messages:         c.Int("messages"),
+		Contenders:       contenders,
+		Profile:          profile,
 		NaiveMessages:    c.Int("naive-messages"),
 		Devices:          c.Int("devices"),
 		Payload:          c.Int("payload"),
-		Partitions:       c.Int("partitions"),
-		Replicas:         c.Int("replicas"),
 		Rate:             c.Int("rate"),
 		Duration:         c.Duration("duration"),
 		Changes:          c.Int("changes"),
@@ -125,9 +220,52 @@ func benchAction(c *cli.Context) error {
 			}
 		}
 	}
+	if cfg.URL != "" && c.String("server-cpuprofile") != "" {
+		return usagef("--server-cpuprofile needs the bench's own server: drop --server")
+	}
 
+	var reps []*bench.Report
+	err = func() error {
+		for _, sl := range w.layouts {
+			for _, parts := range w.partitions {
+				if err := benchServer(ctx, c, exe, cfg, sl, parts, w, &reps); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}()
+	if c.Bool("json") && len(reps) > 0 {
+		enc := json.NewEncoder(c.App.Writer)
+		enc.SetIndent("", "  ")
+		var jerr error
+		if w.runs() == 1 {
+			jerr = enc.Encode(reps[0])
+		} else {
+			jerr = enc.Encode(reps)
+		}
+		if err == nil {
+			err = jerr
+		}
+	} else if w.runs() > 1 && len(reps) > 0 {
+		if werr := bench.WriteSweep(c.App.Writer, reps); err == nil {
+			err = werr
+		}
+	}
+	if errors.Is(err, bench.ErrInvalidConfig) {
+		return usageError{err}
+	}
+	return err
+}
+
+// benchServer runs the throughput bench (or everything cfg asks for) for every replica count
+// and message count of w, on the layout sl with parts partitions, against the bench's own
+// server (started here, stopped when done) unless cfg names one. It writes each report as
+// text unless --json, and appends it to reps.
+func benchServer(ctx context.Context, c *cli.Context, exe string, cfg bench.Config, sl subjects.StreamLayout, parts int, w sweep, reps *[]*bench.Report) error {
+	cfg.StreamLayout, cfg.Partitions = sl, parts
 	if cfg.URL == "" {
-		srv, err := startServerChild(ctx, exe, c.String("data-dir"), c.String("server-cpuprofile"), sl, c.Int("partitions"))
+		srv, err := startServerChild(ctx, exe, c.String("data-dir"), c.String("server-cpuprofile"), sl, parts)
 		if err != nil {
 			return err
 		}
@@ -142,26 +280,29 @@ func benchAction(c *cli.Context) error {
 				_ = srv.cmd.Process.Signal(sig)
 			}
 		}
-	} else if c.String("server-cpuprofile") != "" {
-		return usagef("--server-cpuprofile needs the bench's own server: drop --server")
 	}
-
-	rep, err := bench.Run(ctx, cfg)
-	if errors.Is(err, bench.ErrInvalidConfig) {
-		return usageError{err}
-	}
-	if rep != nil {
-		if c.Bool("json") {
-			enc := json.NewEncoder(c.App.Writer)
-			enc.SetIndent("", "  ")
-			if jerr := enc.Encode(rep); jerr != nil && err == nil {
-				err = jerr
+	for _, r := range w.replicas {
+		for _, n := range w.messages {
+			run := cfg
+			run.Replicas, run.Messages = r, n
+			rep, err := bench.Run(ctx, run)
+			if rep != nil {
+				*reps = append(*reps, rep)
+				if !c.Bool("json") {
+					if werr := rep.WriteText(c.App.Writer); werr != nil && err == nil {
+						err = werr
+					}
+					if w.runs() > 1 {
+						fmt.Fprintln(c.App.Writer)
+					}
+				}
 			}
-		} else if werr := rep.WriteText(c.App.Writer); werr != nil && err == nil {
-			err = werr
+			if err != nil {
+				return err
+			}
 		}
 	}
-	return err
+	return nil
 }
 
 // benchChild runs a replica as a kvmapper run process, so that the failover bench kills a real one.
@@ -194,7 +335,8 @@ func startServerChild(ctx context.Context, exe, dir, cpuprofile string, sl subje
 		}
 		dir, s.dir = d, d
 	}
-	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--layout", string(sl), "--partitions", strconv.Itoa(partitions)}
+	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--layout", string(sl), "--partitions", strconv.Itoa(partitions),
+		"--direct-in", bench.DirectMappedIn}
 	if cpuprofile != "" {
 		args = append(args, "--cpuprofile", cpuprofile)
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"os"
 	"strings"
@@ -31,7 +32,17 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
 		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
+		&cli.StringFlag{Name: "mode", Value: string(setup.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
+			"direct (no INCOMING: each partition's owner receives what devices publish over core NATS and republishes it with the device's reply subject, so the device's PubAck comes from OUTGOING)", EnvVars: env("MODE")},
+		&cli.StringFlag{Name: "direct-receive", Value: string(setup.ReceiveMapping), Usage: "direct mode: mapping (the server's account mapping stamps the partition; each owner subscribes to its partitions: setup checks it and prints it, run --embedded sets it) or " +
+			"all (no server configuration: every replica subscribes to every device subject and keeps its partitions)", EnvVars: env("DIRECT_RECEIVE")},
 	}
+}
+
+// groupsHistoryFlag is the flag of the commands that run setup.
+func groupsHistoryFlag() cli.Flag {
+	return &cli.IntFlag{Name: "groups-history", Usage: fmt.Sprintf("values per key the groups bucket keeps when setup creates it, 1 to %d: how far back replay --as-of maps every device "+
+		"(default %d; when given, an existing bucket keeping fewer is an error)", setup.MaxGroupsHistory, setup.DefaultGroupsHistory), EnvVars: env("GROUPS_HISTORY")}
 }
 
 func logFlags() []cli.Flag {
@@ -90,8 +101,18 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	if err != nil {
 		return setup.Config{}, usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
 	}
+	mode, err := setup.ParseMode(c.String("mode"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --mode: use %s or %s", c.String("mode"), setup.ModeStream, setup.ModeDirect)
+	}
+	receive, err := setup.ParseReceive(c.String("direct-receive"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --direct-receive: use %s or %s", c.String("direct-receive"), setup.ReceiveMapping, setup.ReceiveAll)
+	}
 	cfg := setup.Config{
-		Layout: lay,
+		Mode:    mode,
+		Receive: receive,
+		Layout:  lay,
 		Names: subjects.Names{
 			Incoming:     c.String("incoming-stream"),
 			Outgoing:     c.String("outgoing-stream"),
@@ -101,6 +122,11 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 			StreamLayout: sl,
 		},
 		Replicas: c.Int("stream-replicas"),
+		// Only setup and run have the flag; elsewhere it reads 0, which checks nothing.
+		GroupsHistory: c.Int("groups-history"),
+	}
+	if h := cfg.GroupsHistory; h < 0 || h > setup.MaxGroupsHistory {
+		return setup.Config{}, usagef("invalid value %d for flag --groups-history: a bucket keeps 1 to %d values per key", h, setup.MaxGroupsHistory)
 	}
 	cfg.Defaults()
 	return cfg, nil

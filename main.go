@@ -95,6 +95,7 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 			setupCommand(),
 			verifyCommand(),
 			statusCommand(),
+			replayCommand(),
 			benchCommand(),
 			serverCommand(),
 		},

@@ -33,10 +33,11 @@ const (
 	Mapping    = "mapping"
 	TableScale = "table"
 	Failover   = "failover"
+	Direct     = "direct"
 )
 
 // All lists every sub-benchmark in the order [Run] runs them.
-var All = []string{Throughput, Latency, Mapping, TableScale, Failover}
+var All = []string{Throughput, Latency, Mapping, TableScale, Failover, Direct}
 
 // Names are the streams and buckets one kvmapper run uses. The subjects are always the default
 // ones: incoming.{device}.{event} → outgoing.{group}.{device}.{event}, unmapped.{device}.{event}.
@@ -98,11 +99,17 @@ type Config struct {
 	// FailoverReplicas is how many child replicas the failover run starts. Default 3.
 	FailoverReplicas int
 
+	// Contenders lists the throughput contenders to run, by name (see [Keys]); all by default.
+	Contenders []string
+	// Profile names the throughput contender the profiles below cover. Default [KVMapper].
+	Profile string
+
 	// Child makes the command of a kvmapper replica as a child process. Required for failover.
 	Child ChildFunc
 
 	// CPUProfile, if set, receives a CPU profile of this process during the kvmapper throughput
-	// phase (from the replicas' table being loaded until OUTGOING holds every message).
+	// phase (from the replicas' table being loaded until OUTGOING holds every message), or the
+	// phase of the contender Profile names.
 	CPUProfile io.Writer
 	// MemProfileBase and MemProfile, if set, receive the allocation profile at the start and at
 	// the end of the kvmapper throughput phase: `go tool pprof -base` of the two shows only what
@@ -141,6 +148,14 @@ func (c *Config) setDefaults() error {
 	if len(c.Only) == 0 {
 		c.Only = All
 	}
+	if len(c.Contenders) == 0 {
+		for _, k := range Keys {
+			c.Contenders = append(c.Contenders, k.Name)
+		}
+	}
+	if c.Profile == "" {
+		c.Profile = KVMapper
+	}
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, a...)...)
 	}
@@ -149,7 +164,14 @@ func (c *Config) setDefaults() error {
 			return bad("no sub-benchmark %q (choose among %s)", o, strings.Join(All, ", "))
 		}
 	}
+	for _, n := range c.Contenders {
+		if !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == n }) {
+			return bad("no contender %q", n)
+		}
+	}
 	switch {
+	case !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == c.Profile }):
+		return bad("no contender %q to profile", c.Profile)
 	case c.URL == "":
 		return bad("URL is required")
 	case c.Messages < 1, c.NaiveMessages < 1, c.Devices < 1, c.Replicas < 1, c.Rate < 1, c.Changes < 1,
@@ -208,6 +230,7 @@ type Report struct {
 	Mapping      *MappingResult     `json:"mapping_change,omitempty"`
 	Table        *TableResult       `json:"table,omitempty"`
 	Failover     *FailoverResult    `json:"failover,omitempty"`
+	Direct       *DirectResult      `json:"direct,omitempty"`
 	Elapsed      Seconds            `json:"elapsed_s"`
 	Config       map[string]float64 `json:"config"`
 }
@@ -261,6 +284,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			rep.Table, err = e.table(ctx)
 		case Failover:
 			rep.Failover, err = e.failover(ctx)
+		case Direct:
+			rep.Direct, err = e.direct(ctx)
 		}
 		e.prog.clear()
 		if err != nil {

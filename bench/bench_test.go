@@ -47,7 +47,8 @@ func TestRun(t *testing.T) {
 	if tp == nil {
 		t.Fatal("Run().Throughput = nil")
 	}
-	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000, bench.Naive: 500}
+	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
+		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000, bench.Naive: 500}
 	if len(tp.Contenders) != len(want) {
 		t.Errorf("%d contenders, want %d", len(tp.Contenders), len(want))
 	}
@@ -110,7 +111,7 @@ func TestRun(t *testing.T) {
 	if err := rep.WriteText(&text); err != nil {
 		t.Fatalf("WriteText() error = %v", err)
 	}
-	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", bench.Naive} {
+	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", bench.Naive, bench.RelayCeiling, "targets (issue 10)"} {
 		if !strings.Contains(text.String(), s) {
 			t.Errorf("WriteText() output lacks %q:\n%s", s, text.String())
 		}
@@ -153,7 +154,8 @@ func TestRunPartitionStreams(t *testing.T) {
 		t.Fatalf("Run() error = %v", err)
 	}
 	tp := rep.Throughput
-	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000}
+	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
+		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000}
 	if tp == nil || len(tp.Contenders) != len(want) || rep.StreamLayout != "streams" {
 		t.Fatalf("Run() = layout %q, throughput %+v; want the streams layout and %d contenders", rep.StreamLayout, tp, len(want))
 	}
@@ -197,6 +199,8 @@ func TestRunInvalidConfig(t *testing.T) {
 		"unknown only":  func(c *bench.Config) { c.Only = []string{"speed"} },
 		"small payload": func(c *bench.Config) { c.Payload = 4 },
 		"stream layout": func(c *bench.Config) { c.StreamLayout = "sharded" },
+		"contender":     func(c *bench.Config) { c.Contenders = []string{"kvmapper", "the fastest"} },
+		"profile":       func(c *bench.Config) { c.Profile = "nobody" },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := tiny("nats://127.0.0.1:1")

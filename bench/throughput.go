@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"time"
 
@@ -107,12 +108,15 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		}},
 		{KVMapper, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapper) }},
 		{KVMapperBare, func(ctx context.Context) (Contender, error) { return e.kvmapper(ctx, res, KVMapperBare) }},
+		{HandWritten, e.handWritten},
+		{RelayAsync, e.relayAsync},
+		{RelayCeiling, e.relayCeiling},
 		{Naive, e.naive},
 	}
-	if e.cfg.StreamLayout == subjects.PartitionStreams {
-		runs = runs[:len(runs)-1] // its one consumer reads one stream
-	}
 	for _, r := range runs {
+		if !slices.Contains(e.cfg.Contenders, r.name) || r.name == Naive && e.cfg.StreamLayout == subjects.PartitionStreams {
+			continue // not asked for, or the naive mapper, whose one consumer reads one stream
+		}
 		c, err := r.run(ctx)
 		if err != nil {
 			return res, fmt.Errorf("%s: %w", r.name, err)
@@ -122,7 +126,7 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 	}
 	k := res.Get(KVMapper).MsgsPerSec
 	for _, c := range res.Contenders {
-		if c.Name != KVMapper && c.MsgsPerSec > 0 {
+		if k > 0 && c.Name != KVMapper && c.MsgsPerSec > 0 {
 			res.Ratio[c.Name] = k / c.MsgsPerSec
 		}
 	}
@@ -172,14 +176,13 @@ func (e *env) streamInfo(ctx context.Context, name string) (*jetstream.StreamInf
 }
 
 // kvmapper times the in-process replicas from the moment their tables are loaded. The run named
-// KVMapperBare leaves the provenance headers out; only the KVMapper run is profiled and counts
-// allocations.
+// KVMapperBare leaves the provenance headers out; only the KVMapper run counts allocations.
 func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) (Contender, error) {
 	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
 	}
-	main := name == KVMapper
+	main, prof := name == KVMapper, name == e.cfg.Profile
 	names := e.names("BENCH_OUT_KVMAPPER")
 	names.NoProvenance = !main
 	if err := e.ensure(ctx, names); err != nil {
@@ -197,7 +200,7 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) 
 	}()
 	var ms0, ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms0)
-	if main {
+	if prof {
 		if err := e.profiles(true); err != nil {
 			return Contender{}, err
 		}
@@ -207,7 +210,7 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) 
 	w, werr := e.waitCount(ctx, names.Outgoing, msgs, start, name)
 	server, client := cpu.stop()
 	runtime.ReadMemStats(&ms1)
-	if main {
+	if prof {
 		if err := e.profiles(false); err != nil && werr == nil {
 			werr = err
 		}

@@ -1,6 +1,7 @@
 package setup
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -34,11 +35,28 @@ type Config struct {
 	subjects.Names
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
+	// Mode is what devices publish into: INCOMING ([ModeStream], the default), or nothing
+	// ([ModeDirect]), when Ensure creates no INCOMING and checks the server with [CheckDirect].
+	Mode Mode
+	// Receive says, in direct mode, whether the server must stamp the partitions with its account
+	// mapping ([ReceiveMapping], the default) or must not ([ReceiveAll]).
+	Receive Receive
 	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
 	DuplicateWindow time.Duration
 	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
 	LimitMarkerTTL time.Duration
+	// GroupsHistory is how many values per key the groups bucket keeps when created, 1 to
+	// [MaxGroupsHistory]: how far back `kvmapper replay --as-of` can map every device. Zero
+	// means 5 and checks nothing; when set, an existing bucket that keeps fewer is an error
+	// naming the fix.
+	GroupsHistory int
 }
+
+// DefaultGroupsHistory is the values per key of a groups bucket created without GroupsHistory.
+const DefaultGroupsHistory = 5
+
+// MaxGroupsHistory is the most values per key a KV bucket keeps (nats.go's KeyValueMaxHistory).
+const MaxGroupsHistory = jetstream.KeyValueMaxHistory
 
 // Defaults fills in the zero fields of c.
 func (c *Config) Defaults() {
@@ -52,6 +70,12 @@ func (c *Config) Defaults() {
 	if c.LimitMarkerTTL == 0 {
 		c.LimitMarkerTTL = time.Minute
 	}
+	if c.Mode == "" {
+		c.Mode = ModeStream
+	}
+	if c.Receive == "" {
+		c.Receive = ReceiveMapping
+	}
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
@@ -62,13 +86,27 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Layout == nil {
 		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
+	if _, err := ParseMode(string(cfg.Mode)); err != nil {
+		return nil, err
+	}
+	if _, err := ParseReceive(string(cfg.Receive)); err != nil {
+		return nil, err
+	}
 	if cfg.DuplicateWindow < MinDuplicateWindow {
 		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
+	}
+	if cfg.GroupsHistory < 0 || cfg.GroupsHistory > MaxGroupsHistory {
+		return nil, fmt.Errorf("%w: groups history %d: a bucket keeps 1 to %d values per key", ErrInvalidConfig, cfg.GroupsHistory, MaxGroupsHistory)
 	}
 	lay := cfg.Layout
 	var report []string
 	steps := []func() (string, error){
-		func() (string, error) { return ensureIncoming(ctx, js, cfg) },
+		func() (string, error) {
+			if cfg.Mode == ModeDirect {
+				return ensureDirect(ctx, js, cfg)
+			}
+			return ensureIncoming(ctx, js, cfg)
+		},
 		func() (string, error) {
 			return ensureOutput(ctx, js, cfg, cfg.Outgoing, lay.OutStreamSubject(), "republished messages")
 		},
@@ -194,9 +232,20 @@ func createOrGet(ctx context.Context, js jetstream.JetStream, want jetstream.Str
 }
 
 func ensureGroups(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
-	_, err := js.KeyValue(ctx, cfg.Groups)
+	kv, err := js.KeyValue(ctx, cfg.Groups)
 	if err == nil {
-		return fmt.Sprintf("bucket %s ok", cfg.Groups), nil
+		if cfg.GroupsHistory == 0 {
+			return fmt.Sprintf("bucket %s ok", cfg.Groups), nil
+		}
+		st, err := kv.Status(ctx)
+		if err != nil {
+			return "", fmt.Errorf("setup: reading bucket %s: %w", cfg.Groups, err)
+		}
+		if h := int(st.History()); h < cfg.GroupsHistory {
+			return "", fmt.Errorf("%w: bucket %s keeps %d values per key, fewer than the %d asked for: `nats kv edit %s --history %d` (older values already dropped stay dropped)",
+				ErrMismatch, cfg.Groups, h, cfg.GroupsHistory, cfg.Groups, cfg.GroupsHistory)
+		}
+		return fmt.Sprintf("bucket %s ok, %d values per key", cfg.Groups, st.History()), nil
 	}
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
 		return "", fmt.Errorf("setup: looking up bucket %s: %w", cfg.Groups, err)
@@ -204,7 +253,7 @@ func ensureGroups(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
 		Bucket:      cfg.Groups,
 		Description: "kvmapper: device id → group id",
-		History:     5,
+		History:     uint8(cmp.Or(cfg.GroupsHistory, DefaultGroupsHistory)),
 		Storage:     jetstream.FileStorage,
 		Replicas:    cfg.Replicas,
 	})
@@ -214,7 +263,7 @@ func ensureGroups(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	if err != nil && !errors.Is(err, jetstream.ErrBucketExists) {
 		return "", fmt.Errorf("setup: creating bucket %s: %w", cfg.Groups, err)
 	}
-	return fmt.Sprintf("created bucket %s (device → group)", cfg.Groups), nil
+	return fmt.Sprintf("created bucket %s (device → group, %d values per key)", cfg.Groups, cmp.Or(cfg.GroupsHistory, DefaultGroupsHistory)), nil
 }
 
 func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {

@@ -196,3 +196,45 @@ func TestEnsureInvalidConfig(t *testing.T) {
 		}
 	}
 }
+
+// --groups-history sets the history of a groups bucket setup creates, and an existing bucket
+// that keeps fewer values is an error only when it was asked for.
+func TestGroupsHistory(t *testing.T) {
+	_, js := natstest.Start(t).JetStream(t)
+	ctx := context.Background()
+	history := func(bucket string) int64 {
+		t.Helper()
+		kv, err := js.KeyValue(ctx, bucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := kv.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.History()
+	}
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), GroupsHistory: 64}); err != nil {
+		t.Fatalf("Ensure(GroupsHistory 64): %v", err)
+	}
+	if h := history("device-groups"); h != 64 {
+		t.Errorf("created groups bucket keeps %d values per key, want 64", h)
+	}
+	names := subjects.Names{Groups: "short"}
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Names: names}); err != nil {
+		t.Fatalf("Ensure: %v", err)
+	}
+	if h := history("short"); h != setup.DefaultGroupsHistory {
+		t.Errorf("groups bucket created by default keeps %d values per key, want %d", h, setup.DefaultGroupsHistory)
+	}
+	_, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Names: names, GroupsHistory: 10})
+	if !errors.Is(err, setup.ErrMismatch) || !strings.Contains(err.Error(), "nats kv edit short --history 10") {
+		t.Errorf("Ensure(GroupsHistory 10) on a bucket keeping 5 = %v, want ErrMismatch naming `nats kv edit short --history 10`", err)
+	}
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Names: names, GroupsHistory: 5}); err != nil {
+		t.Errorf("Ensure(GroupsHistory 5) on a bucket keeping 5: %v", err)
+	}
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), GroupsHistory: 65}); !errors.Is(err, setup.ErrInvalidConfig) {
+		t.Errorf("Ensure(GroupsHistory 65) = %v, want ErrInvalidConfig", err)
+	}
+}

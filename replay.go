@@ -1,0 +1,194 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/replay"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+func replayCommand() *cli.Command {
+	return &cli.Command{
+		Name:      "replay",
+		Usage:     "republish a range of INCOMING through the mapping, as of any groups revision, into a stream of your choice",
+		ArgsUsage: " ",
+		Description: "Reads the range with its own ordered consumer (the running replicas are not disturbed) and publishes\n" +
+			"each message, in each device's order, onto --out in --into, or as a dead letter onto --dead-letters.\n" +
+			"Nats-Msg-Ids derive from the replay's identity and the message's INCOMING sequence, and progress is\n" +
+			"kept in the control bucket (replay.<id>): the same command run again resumes, storing nothing twice.\n" +
+			"Progress: a bar on a terminal, one JSON object per second otherwise.\n\n" +
+			"   kvmapper replay --from-time 2h --into REPLAY --create                 the last two hours\n" +
+			"   kvmapper replay --from-seq 1 --to-seq 5000 --as-of 41 --into REPLAY   with the groups table of revision 41\n" +
+			"   kvmapper replay --from-time 1h --into REPLAY --dry-run                counts per group, publishes nothing",
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
+			&cli.Uint64Flag{Name: "from-seq", Usage: "first INCOMING sequence of the range (with --layout streams: of the stream of --partition)", EnvVars: env("FROM_SEQ")},
+			&cli.StringFlag{Name: "from-time", Usage: "start of the range: RFC 3339 time, or a duration meaning that long ago (2h)", EnvVars: env("FROM_TIME")},
+			&cli.Uint64Flag{Name: "to-seq", Usage: "last sequence of the range (default: the last message when the replay first starts)", EnvVars: env("TO_SEQ")},
+			&cli.StringFlag{Name: "to-time", Usage: "end of the range, exclusive: RFC 3339 time or a duration ago", EnvVars: env("TO_TIME")},
+			&cli.StringFlag{Name: "into", Usage: "stream to publish into (required); OUTGOING only with --yes-into-outgoing", EnvVars: env("INTO")},
+			&cli.BoolFlag{Name: "create", Usage: "create --into if it does not exist, capturing --out's and --dead-letters' first tokens", EnvVars: env("CREATE")},
+			&cli.BoolFlag{Name: "yes-into-outgoing", Usage: "confirm --into OUTGOING: its consumers receive the replayed messages besides the live ones", EnvVars: env("YES_INTO_OUTGOING")},
+			&cli.StringFlag{Name: "dead-letters", Usage: "subject template of the replay's dead letters (default: <first token of --out>-unmapped with --unmapped's placeholders; with --into OUTGOING, --unmapped)", EnvVars: env("DEAD_LETTERS")},
+			&cli.StringFlag{Name: "as-of", Value: "now", Usage: "groups table to map with: now, a revision of the groups bucket, or a time (RFC 3339, or a duration ago)", EnvVars: env("AS_OF")},
+			&cli.BoolFlag{Name: "allow-missing-history", Usage: "when the groups bucket no longer holds a device's value at --as-of, dead-letter its messages (history-missing) instead of refusing", EnvVars: env("ALLOW_MISSING_HISTORY")},
+			&cli.StringFlag{Name: "devices", Usage: "only these devices, comma-separated", EnvVars: env("DEVICES")},
+			&cli.IntSliceFlag{Name: "partition", Usage: "only these partitions (repeat or comma-separate)", EnvVars: env("PARTITION")},
+			&cli.BoolFlag{Name: "dry-run", Usage: "map the range and print counts per group; publish and record nothing", EnvVars: env("DRY_RUN")},
+			&cli.StringFlag{Name: "id", Usage: "name of the replay: its progress record and Msg-Ids (default: derived from the range, templates, --into and --as-of)", EnvVars: env("ID")},
+			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)", EnvVars: env("MAX_RATE")},
+			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement", EnvVars: env("MAX_IN_FLIGHT")},
+			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
+			&cli.DurationFlag{Name: "duplicate-window", Value: 2 * time.Minute, Usage: "duplicate window of a stream --create makes", EnvVars: env("DUPLICATE_WINDOW")},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Revision and -Replay headers", EnvVars: env("NO_PROVENANCE")},
+		}),
+		Action: replayAction,
+	}
+}
+
+func replayAction(c *cli.Context) error {
+	cm, err := parseCommon(c)
+	if err != nil {
+		return err
+	}
+	names, log := cm.setup.Names, cm.log
+	into := c.String("into")
+	if into == "" {
+		return usagef("flag --into is required: the stream to replay into")
+	}
+	lay, err := replayLayout(c, names, into)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	cfg := replay.Config{
+		Layout:              lay,
+		Names:               names,
+		Into:                into,
+		IntoOutgoing:        c.Bool("yes-into-outgoing"),
+		Create:              c.Bool("create"),
+		Replicas:            c.Int("stream-replicas"),
+		DuplicateWindow:     c.Duration("duplicate-window"),
+		ID:                  c.String("id"),
+		FromSeq:             c.Uint64("from-seq"),
+		ToSeq:               c.Uint64("to-seq"),
+		Partitions:          c.IntSlice("partition"),
+		AllowMissingHistory: c.Bool("allow-missing-history"),
+		DryRun:              c.Bool("dry-run"),
+		MaxRate:             c.Float64("max-rate"),
+		MaxInFlight:         c.Int("max-in-flight"),
+		PublishTimeout:      c.Duration("publish-timeout"),
+		NoProvenance:        c.Bool("no-provenance"),
+		Logger:              log,
+	}
+	for _, t := range []struct {
+		flag string
+		to   *time.Time
+	}{{"from-time", &cfg.FromTime}, {"to-time", &cfg.ToTime}} {
+		if v := c.String(t.flag); v != "" {
+			if *t.to, err = parseWhen(v, now); err != nil {
+				return usagef("invalid value %q for flag --%s: %v", v, t.flag, err)
+			}
+		}
+	}
+	if v := c.String("as-of"); v != "now" && v != "" {
+		if rev, err := strconv.ParseUint(v, 10, 64); err == nil {
+			cfg.AsOf.Revision = rev
+		} else if cfg.AsOf.Time, err = parseWhen(v, now); err != nil {
+			return usagef("invalid value %q for flag --as-of: use now, a revision or a time (%v)", v, err)
+		}
+	}
+	if v := c.String("devices"); v != "" {
+		cfg.Devices = strings.Split(v, ",")
+	}
+	if err := positive(c, "publish-timeout"); err != nil {
+		return err
+	}
+	if err := positive(c, "duplicate-window"); err != nil {
+		return err
+	}
+	out := c.App.Writer
+	terminal := isTerminal(out)
+	meter := replay.NewMeter(out, terminal)
+	cfg.Progress = meter.Report
+	if terminal {
+		cfg.ReportInterval = 200 * time.Millisecond
+	}
+	if err := cfg.Validate(); err != nil {
+		return usageError{err}
+	}
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	s, err := connSettings(c)
+	if err != nil {
+		return err
+	}
+	nc, js, err := natsconn.Dial(s, "kvmapper replay", log)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	r, err := replay.New(js, cfg)
+	if err != nil {
+		return usageError{err}
+	}
+	if err := r.Run(ctx); err != nil {
+		return err
+	}
+	if err := meter.Err(); err != nil {
+		return err
+	}
+	if sum := r.Summary(); !sum.Complete {
+		return cli.Exit(fmt.Sprintf("replay %s stopped before the end of its range; run it again with --id %s to resume", sum.ID, sum.ID), 1)
+	}
+	return nil
+}
+
+// replayLayout builds the replay's templates: --in and --partitions as the live mapper's; --out
+// and --dead-letters its own. Without --out, a replay into another stream than OUTGOING
+// publishes under the stream's name in lower case (REPLAY: replay.{group}.{device}.{event}).
+func replayLayout(c *cli.Context, names subjects.Names, into string) (*subjects.Layout, error) {
+	live, err := layout(c)
+	if err != nil {
+		return nil, err
+	}
+	out, dead := c.String("out"), c.String("dead-letters")
+	toOutgoing := into == names.Outgoing
+	if !c.IsSet("out") && !toOutgoing {
+		out = strings.ToLower(into) + strings.TrimPrefix(live.Out.String(), live.Out.Prefix())
+	}
+	if dead == "" {
+		dead = live.Unmapped.String()
+		if !toOutgoing {
+			o, err := subjects.ParseTemplate(out)
+			if err != nil {
+				return nil, usagef("invalid value %q for flag --out: %v", out, err)
+			}
+			dead = o.Prefix() + "-unmapped" + strings.TrimPrefix(live.Unmapped.String(), live.Unmapped.Prefix())
+		}
+	}
+	lay, err := subjects.NewLayout(c.String("in"), out, dead, c.Int("partitions"))
+	if err != nil {
+		return nil, usageError{err}
+	}
+	return lay, nil
+}
+
+// parseWhen reads an RFC 3339 time, or a duration meaning that long before now.
+func parseWhen(v string, now time.Time) (time.Time, error) {
+	if d, err := time.ParseDuration(v); err == nil {
+		if d < 0 {
+			d = -d
+		}
+		return now.Add(-d), nil
+	}
+	return time.Parse(time.RFC3339Nano, v)
+}

@@ -1,0 +1,6 @@
+package replay
+
+var (
+	Collide  = collide
+	SubsetOf = subsetOf
+)
