@@ -36,8 +36,13 @@ type Config struct {
 	Setup setup.Config
 	// Table tunes the groups table; its Logger is set from Logger and OnUpdate is chained
 	// after the replica's own.
-	Table    kv.Config
-	Lanes    lanes.Config    // Layout is required; Incoming, StreamLayout and Logger are set from Setup and Logger
+	Table kv.Config
+	// Lanes tunes the lanes: Layout is required; Incoming, StreamLayout and Logger are set from
+	// Setup and Logger. With Lanes.Park.New (--on-unmapped park) setup creates PARKED (with
+	// Setup.Park's limits, or the defaults) and the lanes park devices without a mapping; without
+	// it, a PARKED that exists is still drained (see [New]). Park's Stream, Prefix and Outgoing
+	// are set from Setup's names.
+	Lanes    lanes.Config
 	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
@@ -82,6 +87,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
+	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
+		cfg.Setup.Park = &setup.ParkConfig{}
+	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
 	cancel()
@@ -108,6 +116,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		if !u.Initial {
 			r.metrics.ObserveTableUpdate(u.Deleted)
 		}
+		if !u.Deleted && !u.Entry.Invalid && r.pool != nil {
+			r.pool.Release(u.Device) // a parked device got a group
+		}
 		if next != nil {
 			next(u)
 		}
@@ -121,6 +132,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// The lanes read the streams setup made: one place says what they are.
 	names := cfg.Setup.Names.WithDefaults()
 	lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+	if err := parking(ctx, js, &lcfg.Park, names, log); err != nil {
+		return nil, err
+	}
 	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {
@@ -219,6 +233,33 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
+	}
+	return nil
+}
+
+// parking sets the lanes' parking from the names setup used: on for new devices with
+// --on-unmapped park; otherwise on only to drain a PARKED that exists (parked by an earlier run, or
+// by another replica), so that turning parking off neither strands parked messages nor lets a
+// parked device's live messages overtake them.
+func parking(ctx context.Context, js jetstream.JetStream, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
+	pc.Prefix, pc.Outgoing, pc.Stream = names.ParkedPrefix, names.Outgoing, ""
+	if pc.New {
+		pc.Stream = names.Parked
+		return nil
+	}
+	s, err := js.Stream(ctx, names.Parked)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil
+	case err != nil:
+		// Not allowed to look (a replica with the permissions of a deployment without parking).
+		log.Debug().Err(err).Str("stream", names.Parked).Msg("cannot read the PARKED stream; parking stays off")
+		return nil
+	}
+	pc.Stream = names.Parked
+	if n := s.CachedInfo().State.Msgs; n > 0 {
+		log.Warn().Str("stream", names.Parked).Uint64("messages", n).
+			Msg("PARKED holds parked messages: they are released as their devices get a group (or expire, or are unparked), but no new device is parked (--on-unmapped dead-letter)")
 	}
 	return nil
 }
@@ -371,6 +412,7 @@ func (r *Replica) report() status.Report {
 		Counters: status.Counters{
 			Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
 		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
 	}
@@ -378,6 +420,7 @@ func (r *Replica) report() status.Report {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{
 			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint,
 			Pending: p.Pending, InFlight: p.InFlight, Lag: p.Lag(),
+			ParkedDevices: p.ParkedDevices, ParkedMessages: p.ParkedMessages,
 		})
 	}
 	return rep
@@ -390,6 +433,7 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	s := metrics.Snapshot{
 		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 		Retries: st.Retries, Failures: st.Failures, Dropped: st.Dropped, Reorders: st.Reorders, InFlight: st.InFlight,
+		Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		Owned:         len(r.elector.Owned()),
 		TableDevices:  r.table.Len(),
 		TableRevision: r.table.Revision(),
