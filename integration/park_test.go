@@ -84,6 +84,9 @@ func TestParkUntilProvisioned(t *testing.T) {
 		if code != 0 || !strings.Contains(out, "stream PARKED: 100 messages parked, of 1 devices") || !strings.Contains(out, "dev-late") {
 			t.Errorf("kvmapper status: exit %d, want dev-late's 100 parked messages shown:\n%s%s", code, out, errOut)
 		}
+		if out, errOut, code := e.cli("verify"); code != 0 || !strings.Contains(out, "100 messages are parked in PARKED") {
+			t.Errorf("kvmapper verify while parked: exit %d, want OK with 100 parked:\n%s%s", code, out, errOut)
+		}
 
 		e.put("dev-late", "group-a")
 		ld.publish([]string{"dev-late"}, 100)
