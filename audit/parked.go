@@ -13,18 +13,23 @@ import (
 // readParked counts, after both outputs were read, the audited INCOMING messages the PARKED
 // stream holds that neither output had: they are parked (their device has no group yet), not
 // missing. It reads PARKED headers only, once; a message in PARKED and in an output is one
-// released and not yet purged, which is no duplicate. A missing PARKED holds nothing.
+// released and not yet purged, which is no duplicate. A PARKED that is missing, or that the user
+// may not read, holds nothing.
 func (a *auditor) readParked(ctx context.Context, js jetstream.JetStream) (uint64, error) {
 	name := a.cfg.Parked
+	if a.missing.Load() == 0 {
+		return 0, nil // nothing to look for: PARKED is not even opened (it may not be allowed)
+	}
 	s, err := js.Stream(ctx, name)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
+	if err != nil {
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		// No PARKED (or not allowed to read it): what is missing stays missing.
 		return 0, nil
 	}
-	if err != nil {
-		return 0, fmt.Errorf("audit: opening stream %s: %w", name, err)
-	}
 	st := s.CachedInfo().State
-	if st.Msgs == 0 || a.missing.Load() == 0 {
+	if st.Msgs == 0 {
 		return 0, nil
 	}
 	cons, err := js.OrderedConsumer(ctx, name, jetstream.OrderedConsumerConfig{

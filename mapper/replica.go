@@ -132,7 +132,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// The lanes read the streams setup made: one place says what they are.
 	names := cfg.Setup.Names.WithDefaults()
 	lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
-	if err := parking(ctx, js, &lcfg.Park, names, log); err != nil {
+	if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 		return nil, err
 	}
 	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
@@ -238,23 +238,29 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 }
 
 // parking sets the lanes' parking from the names setup used: on for new devices with
-// --on-unmapped park; otherwise on only to drain a PARKED that exists (parked by an earlier run, or
-// by another replica), so that turning parking off neither strands parked messages nor lets a
-// parked device's live messages overtake them.
-func parking(ctx context.Context, js jetstream.JetStream, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
+// --on-unmapped park; otherwise on only to drain a PARKED that the deployment used (setup wrote
+// the control bucket's parked key; parked by an earlier run, or by another replica), so that
+// turning parking off neither strands parked messages nor lets a parked device's live messages
+// overtake them. A deployment that never parked never touches PARKED.
+func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyValue, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
 	pc.Prefix, pc.Outgoing, pc.Stream = names.ParkedPrefix, names.Outgoing, ""
 	if pc.New {
 		pc.Stream = names.Parked
 		return nil
+	}
+	_, err := control.Get(ctx, subjects.ParkedKey)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading %s in bucket %s: %w", subjects.ParkedKey, control.Bucket(), err)
 	}
 	s, err := js.Stream(ctx, names.Parked)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		return nil
 	case err != nil:
-		// Not allowed to look (a replica with the permissions of a deployment without parking).
-		log.Debug().Err(err).Str("stream", names.Parked).Msg("cannot read the PARKED stream; parking stays off")
-		return nil
+		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, subjects.ParkedKey, control.Bucket(), err)
 	}
 	pc.Stream = names.Parked
 	if n := s.CachedInfo().State.Msgs; n > 0 {

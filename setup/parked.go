@@ -3,10 +3,13 @@ package setup
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // ParkConfig describes the PARKED stream, which holds the messages of devices parked until they
@@ -67,6 +70,9 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	if err != nil {
 		return "", fmt.Errorf("%w (if another stream captures %s, name other parked subjects with --parked-prefix)", err, subject)
 	}
+	if err := markParking(ctx, js, cfg); err != nil {
+		return "", err
+	}
 	limits := func(c jetstream.StreamConfig) string {
 		return fmt.Sprintf("at most %d messages per device and %d in all", c.MaxMsgsPerSubject, c.MaxMsgs)
 	}
@@ -95,4 +101,23 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 			ErrMismatch, name, limits(got), pc.MaxPerDevice, pc.MaxTotal, name, pc.MaxPerDevice, pc.MaxTotal)
 	}
 	return fmt.Sprintf("stream %s ok: %s, %s", name, subject, limits(got)), nil
+}
+
+// markParking writes the control bucket's [subjects.ParkedKey] with PARKED's name, unless it
+// holds it already: replicas without --on-unmapped park, status and verify then know to drain or
+// count what PARKED holds, and deployments that never parked never touch PARKED.
+func markParking(ctx context.Context, js jetstream.JetStream, cfg Config) error {
+	ctl, err := js.KeyValue(ctx, cfg.Control)
+	if err != nil {
+		return fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
+	}
+	if e, err := ctl.Get(ctx, subjects.ParkedKey); err == nil && string(e.Value()) == cfg.Parked {
+		return nil
+	} else if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+		return fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.ParkedKey, cfg.Control, err)
+	}
+	if _, err := ctl.PutString(ctx, subjects.ParkedKey, cfg.Parked); err != nil {
+		return fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.ParkedKey, cfg.Control, err)
+	}
+	return nil
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 func TestEnsureParked(t *testing.T) {
@@ -34,6 +35,15 @@ func TestEnsureParked(t *testing.T) {
 	if c.Discard != jetstream.DiscardNew || !c.DiscardNewPerSubject || c.MaxMsgsPerSubject != 10 || c.MaxMsgs != 50 ||
 		c.MaxAge != 0 || c.Duplicates < setup.MinDuplicateWindow {
 		t.Errorf("PARKED config = %+v: want discard new per subject, 10 per device, 50 in all, no max age, a 2m duplicate window", c)
+	}
+
+	// The control bucket says the deployment parks: replicas without parking drain it then.
+	ctl, err := js.KeyValue(ctx, "kvmapper")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e, err := ctl.Get(ctx, subjects.ParkedKey); err != nil || string(e.Value()) != "PARKED" {
+		t.Errorf("control bucket key %s: %v, %v; want PARKED", subjects.ParkedKey, e, err)
 	}
 
 	// Without CheckLimits other limits are kept; with it they are a mismatch naming the fix.

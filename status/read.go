@@ -154,6 +154,9 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 		if e == nil {
 			break
 		}
+		if e.Key() == subjects.ParkedKey {
+			snap.parking = true
+		}
 		kind, p, id, ok := subjects.ParseControlKey(e.Key())
 		if kind == subjects.KindMember {
 			members = append(members, id)
@@ -250,8 +253,12 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 	return streams, nil
 }
 
-// readParked counts PARKED's messages per device, if the stream exists.
+// readParked counts PARKED's messages per device, if the deployment parks (the control bucket
+// holds subjects.ParkedKey) and the stream exists.
 func readParked(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, snap *Snapshot) error {
+	if !snap.parking {
+		return nil
+	}
 	s, err := js.Stream(ctx, cfg.Parked)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil

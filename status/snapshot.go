@@ -18,6 +18,8 @@ type Snapshot struct {
 	Streams []Stream `json:"streams,omitempty"`
 	// Parked describes the PARKED stream; nil when there is none (parking never turned on).
 	Parked *Parked `json:"parked,omitempty"`
+
+	parking bool // the control bucket says the deployment parks
 }
 
 // Parked is what the PARKED stream holds: the messages of devices without a group, held until

@@ -125,6 +125,12 @@ func MemberKey(id string) string { return KindMember + "." + id }
 // sequence of p whose republish was acknowledged, with the incarnation of INCOMING it belongs to.
 func CheckpointKey(p int) string { return KindCheckpoint + "." + strconv.Itoa(p) }
 
+// ParkedKey is the control-bucket key that says a deployment parks devices: setup writes it,
+// with the PARKED stream's name, when it creates or verifies that stream. Replicas and status look
+// at PARKED only when it exists, so that a deployment that never parked needs no permission on
+// PARKED.
+const ParkedKey = "parked"
+
 // UnparkKey is the control-bucket key that asks the owner of partition p to unpark device (its
 // value says how: release or drop); the owner deletes it once done.
 func UnparkKey(p int, device string) string {
