@@ -176,3 +176,27 @@ func TestReleaseSurvivesKillNine(t *testing.T) {
 		e.verifyOK()
 	})
 }
+
+// Parking turned off (a replica run without --on-unmapped park) still releases what PARKED holds,
+// in order, but parks nothing new.
+func TestParkingTurnedOffStillReleases(t *testing.T) {
+	e := newEnv(t)
+	m1 := e.startMapper("m1", parkFlags...)
+	ld := newLoad(t, e.js)
+	ld.publish([]string{"dev-late"}, 100)
+	e.waitParked("dev-late", 100)
+	m1.stop()
+
+	e.startMapper("m2") // --on-unmapped dead-letter
+	e.put("dev-late", "group-a")
+	ld.publish([]string{"dev-late", "dev-new"}, 100)
+	waitCount(t, e, "outgoing.group-a.dev-late.>", 200)
+	e.checkDevice("dev-late", 200, "outgoing.group-a.dev-late.evt")
+	for _, m := range e.readStream("UNMAPPED", 100, 30*time.Second) {
+		if got := m.Headers().Get("KVMapper-Reason"); got != "no-mapping" || !strings.HasPrefix(string(m.Data()), "dev-new:") {
+			t.Fatalf("UNMAPPED %q: reason %q; want dev-new's messages as no-mapping", m.Data(), got)
+		}
+	}
+	e.waitParked("dev-late", 0)
+	e.verifyOK()
+}
