@@ -51,6 +51,12 @@ const drainPull = 64
 // owner after this drain started is never delivered.
 const drainIdle = 5 * time.Second
 
+// drainPurgeEvery is how often a long drain purges what it has republished so far. Purges are
+// garbage collection (a new owner skips what OUTGOING holds), and a purge by subject costs the
+// server a walk of the stream's blocks that hold the subject: a drain purges when it ends, and
+// meanwhile this seldom.
+const drainPurgeEvery = 5 * time.Second
+
 // msgRef is a Nats-Msg-Id split into the prefix naming its INCOMING stream and incarnation, and
 // the INCOMING sequence.
 type msgRef struct {
@@ -101,6 +107,7 @@ type drain struct {
 	held     *drainEntry   // built, waiting for room in the window
 	through  uint64        // every message of the device up to this PARKED sequence is done
 	purgedTo uint64        // through, when a purge was last queued
+	purgedAt time.Time     // when
 	progress time.Time     // when through last moved, or the drain (re)started
 
 	failed    bool      // some publish failed: send nothing more, restart once all settled
@@ -142,7 +149,7 @@ func (e *drainEntry) settled() bool { return e.acked || e.err != nil }
 func (l *lane) startDrain(ctx context.Context, dev *parkedDevice, mode drainMode) {
 	s := l.park
 	s.nextID++
-	d := &drain{id: s.nextID, dev: dev, mode: mode, backoff: 0, refusals: map[uint64]refusal{}}
+	d := &drain{id: s.nextID, dev: dev, mode: mode, refusals: map[uint64]refusal{}, purgedAt: time.Now()}
 	dev.drain = d
 	s.drains[d.id] = d
 	l.log.Debug().Str("device", dev.name).Uint8("mode", uint8(mode)).Msg("draining a parked device")
@@ -619,8 +626,8 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 		d.started = false
 		l.startReader(ctx, d, d.through+1)
 	}
-	if d.through > d.purgedTo {
-		d.purgedTo = d.through
+	if d.through > d.purgedTo && now.Sub(d.purgedAt) >= drainPurgeEvery {
+		d.purgedTo, d.purgedAt = d.through, now
 		l.queuePurge(d.dev.name, d.through)
 	}
 }
