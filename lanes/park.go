@@ -33,11 +33,8 @@ import (
 //   - a drain republishes a device's parked messages in PARKED order, every one of them
 //     acknowledged before the device leaves the map, so its live messages, published after,
 //     are stored after them;
-//   - a message a drain finds already in OUTGOING (at or before the device's last message there,
-//     by INCOMING sequence in its Nats-Msg-Id) is skipped: a drain resumed by a new owner, even
-//     long after OUTGOING's duplicate window, stores nothing twice in OUTGOING;
-//   - purges remove only what a drain had acknowledged: they are garbage collection, never
-//     needed for order.
+//   - purges remove only what a drain has seen acknowledged, so what a new owner finds in PARKED
+//     is everything not yet republished, and a little that was (see park_drain.go).
 
 // ParkConfig turns parking on; its zero value leaves it off.
 type ParkConfig struct {
@@ -47,9 +44,6 @@ type ParkConfig struct {
 	// Prefix is the first token(s) of the parked subjects, "<Prefix>.<p>.<device>". Default
 	// "parked".
 	Prefix string
-	// Outgoing is the OUTGOING stream's name: a drain reads the device's last message there
-	// before it republishes anything. Default "OUTGOING".
-	Outgoing string
 	// New parks a device whose lookup says [ReasonNoMapping] (kvmapper run --on-unmapped park).
 	// Without it a pool with Stream set still releases, expires and unparks what PARKED holds,
 	// but parks no new device: its devices' order holds when parking is turned off.
@@ -61,6 +55,9 @@ type ParkConfig struct {
 	SweepInterval time.Duration
 	// Drains is how many of its parked devices a lane drains at once. Default 4.
 	Drains int
+	// PurgeInterval is how often a drain purges from PARKED what it has seen acknowledged; a
+	// drain cut short resends what it had not purged yet. Default 250ms.
+	PurgeInterval time.Duration
 }
 
 func (c *ParkConfig) setDefaults() error {
@@ -68,11 +65,11 @@ func (c *ParkConfig) setDefaults() error {
 		return nil
 	}
 	c.Prefix = cmp.Or(c.Prefix, subjects.DefaultNames.ParkedPrefix)
-	c.Outgoing = cmp.Or(c.Outgoing, subjects.DefaultNames.Outgoing)
 	c.SweepInterval = cmp.Or(c.SweepInterval, time.Second)
 	c.Drains = cmp.Or(c.Drains, 4)
-	if c.MaxAge < 0 || c.SweepInterval < 0 || c.Drains < 0 {
-		return fmt.Errorf("%w: Park.MaxAge, SweepInterval and Drains must not be negative", ErrInvalidConfig)
+	c.PurgeInterval = cmp.Or(c.PurgeInterval, 250*time.Millisecond)
+	if c.MaxAge < 0 || c.SweepInterval < 0 || c.Drains < 0 || c.PurgeInterval < 0 {
+		return fmt.Errorf("%w: Park.MaxAge, SweepInterval, Drains and PurgeInterval must not be negative", ErrInvalidConfig)
 	}
 	return nil
 }
@@ -114,7 +111,7 @@ type parking struct {
 	wg     sync.WaitGroup // every goroutine of parking
 	stopWG func()         // cancels the goroutines' context
 
-	parked, out jetstream.Stream // handles opened at claim; nil when the stream was missing
+	parked jetstream.Stream // opened at claim; nil when the stream was missing
 
 	purges    map[string]uint64 // device → last PARKED sequence to purge up to, queued
 	purgeList []string          // the order of purges
@@ -144,19 +141,18 @@ const (
 )
 
 type parkEvent struct {
-	kind    parkEventKind
-	drain   uint64 // the drain's id
-	reader  uint64 // the drain reader's generation
-	msg     jetstream.Msg
-	seq     uint64 // PARKED sequence of msg; the purge's last sequence
-	at      time.Time
-	l0      uint64 // the device's last PARKED sequence when the drain started
-	lastOut msgRef // the device's last message in OUTGOING when the drain started
-	ack     *nats.Msg
-	device  string
-	mode    drainMode
-	rev     uint64
-	err     error
+	kind   parkEventKind
+	drain  uint64 // the drain's id
+	reader uint64 // the drain reader's generation
+	msg    jetstream.Msg
+	seq    uint64 // PARKED sequence of msg; the purge's last sequence
+	at     time.Time
+	l0     uint64 // the device's last PARKED sequence when the drain started
+	ack    *nats.Msg
+	device string
+	mode   drainMode
+	rev    uint64
+	err    error
 }
 
 // newParking returns the parking state of a lane, or nil when parking is off.
@@ -304,11 +300,7 @@ func (l *lane) rebuildParked(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("reading stream %s: %w", s.cfg.Stream, err)
 	}
-	out, err := l.p.js.Stream(rctx, s.cfg.Outgoing)
-	if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return fmt.Errorf("opening stream %s: %w", s.cfg.Outgoing, err)
-	}
-	s.parked, s.out = ps, out
+	s.parked = ps
 	clear(s.devices)
 	var msgs int64
 	for subj, n := range info.State.Subjects {
@@ -454,7 +446,7 @@ func (l *lane) parkEvent(ctx context.Context, ev parkEvent) {
 	switch ev.kind {
 	case evDrainStart:
 		if d := s.drains[ev.drain]; d != nil && d.readerGen == ev.reader {
-			d.started, d.l0, d.lastOut = true, ev.l0, ev.lastOut
+			d.started, d.l0 = true, ev.l0
 			l.drainCheck(d)
 		}
 	case evDrainMsg:

@@ -23,8 +23,17 @@ import (
 //
 // After any failure a drain sends nothing new until every publish in flight has settled, then
 // starts again from its acknowledged prefix, the first message alone: what OUTGOING had stored
-// is dropped as a duplicate (and is skipped anyway when it precedes the device's last message
-// in OUTGOING), so a drain keeps the device's order under the same rule as the lane.
+// is dropped as a duplicate, so a drain keeps the device's order under the same rule as the lane.
+//
+// What a drain has seen acknowledged it purges from PARKED, every PurgeInterval and when it
+// ends; a drain cut short (its owner killed) and resumed by the next owner resends what was
+// acknowledged but not purged yet. OUTGOING drops those by their Nats-Msg-Id within its duplicate
+// window; a resume later than that stores them again (at most PurgeInterval of release traffic
+// plus the publishes in flight). A purge by subject costs the server about as much per message
+// as storing it (per-subject index and tombstone) and holds the stream while it runs: purging at
+// every tick of every drain stalled PARKED for seconds in a mass release. A drain does not skip what OUTGOING holds by looking at the
+// device's last message there: a message lost by a stream's leader change while later ones were
+// stored would then be skipped for good, and a loss is worse than a duplicate.
 
 // drainMode says what a drain does with each parked message.
 type drainMode uint8
@@ -51,43 +60,6 @@ const drainPull = 64
 // owner after this drain started is never delivered.
 const drainIdle = 5 * time.Second
 
-// drainPurgeEvery is how often a long drain purges what it has republished so far. Purges are
-// garbage collection (a new owner skips what OUTGOING holds), and a purge by subject costs the
-// server a walk of the stream's blocks that hold the subject: a drain purges when it ends, and
-// meanwhile this seldom.
-const drainPurgeEvery = 5 * time.Second
-
-// msgRef is a Nats-Msg-Id split into the prefix naming its INCOMING stream and incarnation, and
-// the INCOMING sequence.
-type msgRef struct {
-	prefix string
-	seq    uint64
-}
-
-// parseMsgRef splits a kvmapper Nats-Msg-Id, "<stream>:<incarnation>:<seq>"; the zero msgRef for
-// anything else.
-func parseMsgRef(id string) msgRef {
-	i := strings.LastIndexByte(id, ':')
-	if i < 0 {
-		return msgRef{}
-	}
-	seq, err := strconv.ParseUint(id[i+1:], 10, 64)
-	if err != nil {
-		return msgRef{}
-	}
-	return msgRef{prefix: id[:i+1], seq: seq}
-}
-
-// covers tells whether the message with Nats-Msg-Id id comes at or before r in the same stream
-// and incarnation: OUTGOING holds a device's messages in INCOMING order, so one at or before the
-// device's last message there is there already.
-func (r msgRef) covers(id string) bool {
-	if r.prefix == "" {
-		return false
-	}
-	m := parseMsgRef(id)
-	return m.prefix == r.prefix && m.seq <= r.seq
-}
 
 // drain is one device's drain, owned by the lane's goroutine.
 type drain struct {
@@ -99,9 +71,8 @@ type drain struct {
 	cancel    context.CancelFunc // stops the reader; nil when none runs
 	want      chan struct{}      // capacity 1: the lane takes one more message
 
-	started bool   // the reader read where the device stood: l0 and lastOut are known
+	started bool   // the reader read where the device stood: l0 is known
 	l0      uint64 // the device's last PARKED sequence then
-	lastOut msgRef // its last message in OUTGOING then
 
 	q        []*drainEntry // in flight, in PARKED order
 	held     *drainEntry   // built, waiting for room in the window
@@ -134,7 +105,7 @@ type drainEntry struct {
 	msg       nats.Msg
 	reason    string // non-empty for a dead letter
 	stripped  bool
-	skip      bool // already in OUTGOING (or given up): not sent
+	skip      bool // given up (counted as dropped): not sent
 	gen       uint64
 	sent      time.Time
 	cost      int64
@@ -205,9 +176,9 @@ func (l *lane) readParked(ctx context.Context, id, gen uint64, device string, fr
 		}
 	}
 	for start {
-		l0, lastOut, err := l.drainPosition(ctx, device, subj)
+		l0, err := l.drainPosition(ctx, subj)
 		if err == nil {
-			if !s.send(ctx, parkEvent{kind: evDrainStart, drain: id, reader: gen, l0: l0, lastOut: lastOut}) {
+			if !s.send(ctx, parkEvent{kind: evDrainStart, drain: id, reader: gen, l0: l0}) {
 				return
 			}
 			break
@@ -240,9 +211,9 @@ func (l *lane) readParked(ctx context.Context, id, gen uint64, device string, fr
 	}
 }
 
-// drainPosition reads the device's last PARKED sequence (0 when PARKED holds nothing of it) and
-// its last message in OUTGOING, read from the streams' leaders.
-func (l *lane) drainPosition(ctx context.Context, device, subj string) (uint64, msgRef, error) {
+// drainPosition reads the device's last PARKED sequence (0 when PARKED holds nothing of it),
+// from the stream's leader.
+func (l *lane) drainPosition(ctx context.Context, subj string) (uint64, error) {
 	s := l.park
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
@@ -250,33 +221,17 @@ func (l *lane) drainPosition(ctx context.Context, device, subj string) (uint64, 
 	if ps == nil {
 		var err error
 		if ps, err = l.p.js.Stream(ctx, s.cfg.Stream); err != nil {
-			return 0, msgRef{}, err
+			return 0, err
 		}
 	}
 	m, err := ps.GetLastMsgForSubject(ctx, subj)
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return 0, msgRef{}, nil
+		return 0, nil
 	case err != nil:
-		return 0, msgRef{}, err
+		return 0, err
 	}
-	l0 := m.Sequence
-	out := s.out
-	if out == nil {
-		if out, err = l.p.js.Stream(ctx, s.cfg.Outgoing); errors.Is(err, jetstream.ErrStreamNotFound) {
-			return l0, msgRef{}, nil
-		} else if err != nil {
-			return 0, msgRef{}, err
-		}
-	}
-	om, err := out.GetLastMsgForSubject(ctx, l.p.cfg.Layout.OutDeviceFilter(device))
-	switch {
-	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return l0, msgRef{}, nil
-	case err != nil:
-		return 0, msgRef{}, err
-	}
-	return l0, parseMsgRef(om.Header.Get(nats.MsgIdHdr)), nil
+	return m.Sequence, nil
 }
 
 // consumeParked reads subj from *from with an ordered consumer and hands each message on.
@@ -362,10 +317,6 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 	hdr := m.Headers()
 	if hdr == nil {
 		hdr = nats.Header{}
-	}
-	if d.lastOut.covers(hdr.Get(nats.MsgIdHdr)) {
-		e.skip, e.acked = true, true
-		return e
 	}
 	ref := d.refusals[seq]
 	if ref.level >= 3 {
@@ -626,7 +577,7 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 		d.started = false
 		l.startReader(ctx, d, d.through+1)
 	}
-	if d.through > d.purgedTo && now.Sub(d.purgedAt) >= drainPurgeEvery {
+	if d.through > d.purgedTo && now.Sub(d.purgedAt) >= l.park.cfg.PurgeInterval {
 		d.purgedTo, d.purgedAt = d.through, now
 		l.queuePurge(d.dev.name, d.through)
 	}

@@ -5,12 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
@@ -257,12 +255,14 @@ func TestParkMaxAge(t *testing.T) {
 	}
 }
 
-// A release cut short (the lease lost at its first republished message: nothing drained, nothing
-// purged) and resumed by a new owner after OUTGOING's duplicate window stores nothing twice: the
-// drain skips what OUTGOING holds already.
+// A release cut short (the lease lost mid-way: the lane stops at once, without draining or purging)
+// and resumed by a new owner after OUTGOING's duplicate window loses nothing and keeps the
+// device's order; it stores again only what was republished and not purged yet.
 func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
-		cfg := f.parkOn(lanes.Config{}, 0, 0)
+		const total = 4000
+		cfg := f.parkOn(lanes.Config{}, total, total)
+		cfg.Park.PurgeInterval = 10 * time.Millisecond // purged early in the release, cut after that
 		ctx := context.Background()
 		s, err := f.js.Stream(ctx, "OUTGOING")
 		if err != nil {
@@ -274,25 +274,22 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, stop := f.run(cfg, nil)
-		f.publish([]string{"late"}, 1000, nil)
-		f.waitParked("late", 1000)
+		f.publish([]string{"late"}, total, nil)
+		f.waitParked("late", total)
 		stop()
 
 		var lost atomic.Bool
-		first := make(chan struct{})
-		var once sync.Once
-		sub, err := f.srv.Connect(t).Subscribe("outgoing.g.late.>", func(*nats.Msg) {
-			lost.Store(true) // the lease's clock runs out: the lane stops at once
-			once.Do(func() { close(first) })
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
 		f.groups.set("late", "g")
 		p := subjects.Partition("late", 16)
 		cut, stop := f.run(cfg, func(int) bool { return !lost.Load() })
-		<-first
-		start := time.Now()
+		// Cut once the release has purged some of what it republished.
+		natstest.Eventually(t, 30*time.Second, func() error {
+			if n := f.parked("late"); n == total {
+				return fmt.Errorf("PARKED holds all %d: nothing purged yet", n)
+			}
+			return nil
+		})
+		lost.Store(true) // the lease's clock runs out: the lane stops at once
 		natstest.Eventually(t, 10*time.Second, func() error {
 			for _, ps := range cut.Partitions() {
 				if ps.Partition == p {
@@ -301,26 +298,42 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 			}
 			return nil
 		})
-		errs := stop()
-		_ = sub.Unsubscribe()
-		stored := f.count("OUTGOING")
-		t.Logf("Run(partition %d) = %v %v after the first release; OUTGOING held %d of 1000 when the lane stopped", p, errs[p], time.Since(start), stored)
-		if !errors.Is(errs[p], lanes.ErrFenced) {
+		if errs := stop(); !errors.Is(errs[p], lanes.ErrFenced) {
 			t.Fatalf("Run(partition %d) = %v, want ErrFenced", p, errs[p])
 		}
-		if stored == 1000 {
-			t.Fatalf("the release was not cut short (OUTGOING holds all 1000 already)")
+		stored, purged := f.count("OUTGOING"), total-f.parked("late")
+		t.Logf("cut short with %d of %d in OUTGOING, %d purged from PARKED", stored, total, purged)
+		if stored == total || purged == 0 {
+			t.Fatalf("OUTGOING holds %d, %d purged: want the release cut short after a purge", stored, purged)
 		}
 		// Past the duplicate window: OUTGOING no longer recognises the ids of what was stored.
 		time.Sleep(oc.Duplicates + 100*time.Millisecond)
 
 		pool, _ := f.run(cfg, nil)
-		f.waitOrDump(pool, "OUTGOING", 1000, 30*time.Second)
-		checkOrder(t, f.read("OUTGOING", 1000), []string{"late"}, 1000, func(d string) string { return "outgoing.g." + d + ".evt" })
+		f.waitOrDump(pool, "OUTGOING", total, 30*time.Second)
 		f.waitParked("late", 0)
-		if n := f.count("OUTGOING"); n != 1000 {
-			t.Errorf("OUTGOING holds %d messages, want 1000: some were stored twice", n)
+		again, next := 0, 0
+		for i, m := range f.read("OUTGOING", f.count("OUTGOING")) {
+			var k int
+			if _, err := fmt.Sscanf(string(m.Data()), "late:%d", &k); err != nil {
+				t.Fatalf("message %d: payload %q", i, m.Data())
+			}
+			switch {
+			case k == next:
+				next++
+			case k < next:
+				again++ // stored again: it had been released and not purged
+			default:
+				t.Fatalf("message %d: late:%d after late:%d: lost or reordered", i, k, next-1)
+			}
 		}
+		if next != total {
+			t.Fatalf("OUTGOING holds late:0 to late:%d, want to late:%d", next-1, total-1)
+		}
+		if again > stored-purged {
+			t.Errorf("%d messages stored twice, more than the %d released and not purged when the release was cut", again, stored-purged)
+		}
+		t.Logf("%d stored again after the duplicate window (released and not purged when cut: %d)", again, stored-purged)
 	})
 }
 

@@ -40,8 +40,8 @@ type Config struct {
 	// Lanes tunes the lanes: Layout is required; Incoming, StreamLayout and Logger are set from
 	// Setup and Logger. With Lanes.Park.New (--on-unmapped park) setup creates PARKED (with
 	// Setup.Park's limits, or the defaults) and the lanes park devices without a mapping; without
-	// it, a PARKED that exists is still drained (see [New]). Park's Stream, Prefix and Outgoing
-	// are set from Setup's names.
+	// it, a PARKED that exists is still drained (see [New]). Park's Stream and Prefix are set
+	// from Setup's names.
 	Lanes    lanes.Config
 	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
 	Logger   zerolog.Logger
@@ -243,7 +243,7 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 // turning parking off neither strands parked messages nor lets a parked device's live messages
 // overtake them. A deployment that never parked never touches PARKED.
 func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyValue, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
-	pc.Prefix, pc.Outgoing, pc.Stream = names.ParkedPrefix, names.Outgoing, ""
+	pc.Prefix, pc.Stream = names.ParkedPrefix, ""
 	if pc.New {
 		pc.Stream = names.Parked
 		return nil

@@ -296,19 +296,6 @@ func (l *Layout) Filter(p int) string { return l.inPrefixDot + strconv.Itoa(p) +
 // followed by ".>", e.g. "outgoing.>".
 func (l *Layout) OutStreamSubject() string { return l.Out.Prefix() + ".>" }
 
-// OutDeviceFilter returns the filter subject of every subject Out gives device dev, whatever its group
-// and other placeholders: Out with device in place of {device} and "*" for every other
-// placeholder, e.g. "outgoing.*.dev-42.*". dev must be one valid token.
-func (l *Layout) OutDeviceFilter(dev string) string {
-	s, _ := l.Out.render(func(name string) (string, error) {
-		if name == device {
-			return dev, nil
-		}
-		return "*", nil
-	})
-	return s
-}
-
 // UnmappedStreamSubject returns the subject the UNMAPPED stream captures, e.g. "unmapped.>".
 func (l *Layout) UnmappedStreamSubject() string { return l.Unmapped.Prefix() + ".>" }
 

@@ -144,23 +144,3 @@ func TestStoredSubject(t *testing.T) {
 		t.Fatalf("StoredSubject(device a.b) = %v, want an error wrapping ErrInvalidToken", err)
 	}
 }
-
-func TestOutDeviceFilter(t *testing.T) {
-	for _, tc := range []struct{ out, want string }{
-		{defOut, "outgoing.*.dev-42.*"},
-		{"out.{group}.{device}", "out.*.dev-42"},
-		{"o.{group}.{device}.{site}.{device}", "o.*.dev-42.*.dev-42"},
-	} {
-		in := defIn
-		if strings.Contains(tc.out, "{site}") {
-			in = "a.b.{site}.x.{device}"
-		}
-		l, err := subjects.NewLayout(in, tc.out, "u.{device}", 4)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := l.OutDeviceFilter("dev-42"); got != tc.want {
-			t.Errorf("OutDeviceFilter(%q) with out %q = %q, want %q", "dev-42", tc.out, got, tc.want)
-		}
-	}
-}
