@@ -60,7 +60,6 @@ const drainPull = 64
 // owner after this drain started is never delivered.
 const drainIdle = 5 * time.Second
 
-
 // drain is one device's drain, owned by the lane's goroutine.
 type drain struct {
 	id   uint64
