@@ -335,7 +335,8 @@ func startServerChild(ctx context.Context, exe, dir, cpuprofile string, sl subje
 		}
 		dir, s.dir = d, d
 	}
-	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--layout", string(sl), "--partitions", strconv.Itoa(partitions)}
+	args := []string{"server", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--layout", string(sl), "--partitions", strconv.Itoa(partitions),
+		"--direct-in", bench.DirectMappedIn}
 	if cpuprofile != "" {
 		args = append(args, "--cpuprofile", cpuprofile)
 	}

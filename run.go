@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/lanes"
@@ -32,7 +33,9 @@ func runCommand() *cli.Command {
 		Usage: "run one replica of the mapper (start it N times for failover)",
 		Description: "Creates or verifies the streams and buckets, loads the groups table, takes its share of the\n" +
 			"partitions and republishes INCOMING to OUTGOING until SIGINT or SIGTERM, when it drains,\n" +
-			"writes final checkpoints and hands its partitions over.\n\n" +
+			"writes final checkpoints and hands its partitions over. With --mode direct there is no INCOMING:\n" +
+			"each partition's owner republishes what devices publish as it arrives, with the device's reply\n" +
+			"subject, and on SIGTERM hands each partition to its next owner without losing an acknowledgement.\n\n" +
 			"   First run on a machine with only Go:  go run . run --embedded",
 		Flags: flags(connFlags(), []cli.Flag{
 			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen", EnvVars: env("EMBEDDED")},
@@ -47,6 +50,8 @@ func runCommand() *cli.Command {
 			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
 			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
 			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes", EnvVars: env("DRAIN_TIMEOUT")},
+			&cli.DurationFlag{Name: "handoff-timeout", Value: 5 * time.Second, Usage: "direct mode: how long a released partition keeps forwarding while no new owner has announced itself", EnvVars: env("HANDOFF_TIMEOUT")},
+			&cli.BoolFlag{Name: "direct-provenance", Usage: "direct mode: add the KVMapper-Partition, -Epoch and -Revision headers (off: they cost about a third of the throughput and can make OUTGOING refuse a message near its size limit)", EnvVars: env("DIRECT_PROVENANCE")},
 			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
 			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
 			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
@@ -112,7 +117,7 @@ func runAction(c *cli.Context) error {
 		return err
 	}
 	lay, scfg, log := cm.layout, cm.setup, cm.log
-	for _, name := range []string{"renew-interval", "grace", "checkpoint-interval", "publish-timeout", "drain-timeout"} {
+	for _, name := range []string{"renew-interval", "grace", "checkpoint-interval", "publish-timeout", "drain-timeout", "handoff-timeout"} {
 		if err := positive(c, name); err != nil {
 			return err
 		}
@@ -189,6 +194,10 @@ func runAction(c *cli.Context) error {
 			NoProvenance:       c.Bool("no-provenance"),
 			Park:               lanes.ParkConfig{New: scfg.Park != nil, MaxAge: c.Duration("park-max-age")},
 		},
+		Direct: direct.Config{
+			HandoffTimeout: c.Duration("handoff-timeout"),
+			Provenance:     c.Bool("direct-provenance"),
+		},
 		Election: election.Config{
 			LeaseTTL:      c.Duration("lease-ttl"),
 			RenewInterval: c.Duration("renew-interval"),
@@ -218,10 +227,14 @@ func runAction(c *cli.Context) error {
 	return err
 }
 
-// mappings returns the account subject mappings the stream layout of cfg needs from the server:
-// none for the single-stream layout, the partitioning mapping for the partition streams.
+// mappings returns the account subject mappings cfg needs from the server: the partitioning
+// mapping for the partition streams and for direct mode's default receive mode, none otherwise.
 func mappings(cfg setup.Config) map[string]string {
-	if cfg.StreamLayout != subjects.PartitionStreams {
+	if cfg.Mode == setup.ModeDirect {
+		if cfg.Receive != setup.ReceiveMapping {
+			return nil
+		}
+	} else if cfg.StreamLayout != subjects.PartitionStreams {
 		return nil
 	}
 	return map[string]string{cfg.Layout.MappingSource(): cfg.Layout.MappingDest()}
@@ -274,6 +287,21 @@ func printNextSteps(c *cli.Context, url string, cfg setup.Config) {
 	server := ""
 	if url != "nats://127.0.0.1:4222" {
 		server = " -s " + url
+	}
+	if cfg.Mode == setup.ModeDirect {
+		fmt.Fprintf(c.App.Writer, `
+kvmapper is mapping %[1]s → %[2]s on %[3]s in direct mode: a device's PubAck comes from %[7]s.
+In another terminal try:
+
+  go tool nats%[4]s kv put %[5]s dev-42 group-a
+  go tool nats%[4]s sub '%[6]s'
+  go tool nats%[4]s pub --jetstream incoming.dev-42.temp '{"celsius": 21.5}'
+  go tool nats%[4]s req incoming.dev-42.temp '{"celsius": 22.0}'
+
+(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
+
+`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject(), cfg.Outgoing)
+		return
 	}
 	fmt.Fprintf(c.App.Writer, `
 kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:

@@ -29,6 +29,7 @@ func serverCommand() *cli.Command {
 			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "streams: give the server the account mapping of the partition-streams layout"},
 			&cli.IntFlag{Name: "partitions", Value: 16, Usage: "partitions of that mapping"},
 			&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template of that mapping"},
+			&cli.StringFlag{Name: "direct-in", Usage: "also map this subject template into partitions, as direct mode's mapping receive mode needs (the bench's direct run)"},
 		},
 		Action: serverAction,
 	}
@@ -52,7 +53,18 @@ func serverAction(c *cli.Context) error {
 	if err != nil {
 		return usageError{err}
 	}
-	srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), mappings(setup.Config{Layout: lay, Names: subjects.Names{StreamLayout: sl}}))
+	maps := mappings(setup.Config{Layout: lay, Names: subjects.Names{StreamLayout: sl}})
+	if in := c.String("direct-in"); in != "" {
+		dlay, err := subjects.NewLayout(in, "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", c.Int("partitions"))
+		if err != nil {
+			return usageError{err}
+		}
+		if maps == nil {
+			maps = map[string]string{}
+		}
+		maps[dlay.MappingSource()] = dlay.MappingDest()
+	}
+	srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), maps)
 	if err != nil {
 		return err
 	}

@@ -33,10 +33,11 @@ const (
 	Mapping    = "mapping"
 	TableScale = "table"
 	Failover   = "failover"
+	Direct     = "direct"
 )
 
 // All lists every sub-benchmark in the order [Run] runs them.
-var All = []string{Throughput, Latency, Mapping, TableScale, Failover}
+var All = []string{Throughput, Latency, Mapping, TableScale, Failover, Direct}
 
 // Names are the streams and buckets one kvmapper run uses. The subjects are always the default
 // ones: incoming.{device}.{event} → outgoing.{group}.{device}.{event}, unmapped.{device}.{event}.
@@ -229,6 +230,7 @@ type Report struct {
 	Mapping      *MappingResult     `json:"mapping_change,omitempty"`
 	Table        *TableResult       `json:"table,omitempty"`
 	Failover     *FailoverResult    `json:"failover,omitempty"`
+	Direct       *DirectResult      `json:"direct,omitempty"`
 	Elapsed      Seconds            `json:"elapsed_s"`
 	Config       map[string]float64 `json:"config"`
 }
@@ -282,6 +284,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			rep.Table, err = e.table(ctx)
 		case Failover:
 			rep.Failover, err = e.failover(ctx)
+		case Direct:
+			rep.Direct, err = e.direct(ctx)
 		}
 		e.prog.clear()
 		if err != nil {

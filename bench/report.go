@@ -112,5 +112,8 @@ func (r *Report) WriteText(w io.Writer) error {
 		p("worst\t\t%.0f\t%.0f\t%.0f\t%.0f", f.MaxKillToExpiry, f.MaxUnowned, f.MaxKillToClaim, f.MaxKillToOutput)
 		p("published %d, stored in OUTGOING %d, lost %d", f.Published, f.Stored, f.Lost)
 	}
+	if d := r.Direct; d != nil {
+		d.writeText(p)
+	}
 	return tw.Flush()
 }

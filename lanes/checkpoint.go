@@ -51,10 +51,14 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 			return 0, err
 		}
 		if st.Msgs > 0 {
-			l.log.Warn().Str("stream", l.stream).Uint64("incoming_first", st.FirstSeq).Uint64("incoming_last", st.LastSeq).
-				Msg("no checkpoint for this partition: starting from its first message in INCOMING " +
-					"(a first run, or the control bucket was re-created: messages older than OUTGOING's " +
-					"duplicate window are then republished; kvmapper verify shows them)")
+			// Every partition of a first run with messages waiting says so at once: one line a
+			// second, with the number of partitions left out, is enough to tell.
+			l.p.warn("no-checkpoint", func(e *zerolog.Event) {
+				e.Int("partition", l.a.Partition).Str("stream", l.stream).Uint64("incoming_first", st.FirstSeq).Uint64("incoming_last", st.LastSeq).
+					Msg("no checkpoint for this partition: starting from its first message in INCOMING " +
+						"(a first run, or the control bucket was re-created: messages older than OUTGOING's " +
+						"duplicate window are then republished; kvmapper verify shows them)")
+			})
 		}
 		l.setPosition(inc, rev)
 		return 0, nil

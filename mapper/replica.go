@@ -14,6 +14,7 @@ import (
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
@@ -47,6 +48,10 @@ type Config struct {
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
 	Version string
+	// Direct tunes direct mode (Setup.Mode is setup.ModeDirect), which runs in place of the lanes;
+	// its Layout is the lanes' and its Receive, Replica, HandoffPrefix, Revision, CatchUp, Alone
+	// and Logger are set from the rest.
+	Direct direct.Config
 
 	// MetricsListen is the host:port of the /metrics, /healthz and /readyz server; "" means none.
 	// Port 0 picks a free port; the address is logged ("metrics listening").
@@ -66,7 +71,9 @@ type Replica struct {
 	groups  jetstream.KeyValue
 	control jetstream.KeyValue
 	table   *kv.Table
-	pool    *lanes.Pool
+	pool    engine              // the lanes, or in direct mode the direct pool
+	direct  *direct.Pool        // direct mode only
+	release func(device string) // the lanes' Pool.Release; nil in direct mode
 	elector *election.Elector
 
 	// Observation: metrics always (cheap; served only with MetricsListen), the micro status
@@ -87,6 +94,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
+	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
+		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
+	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
 		cfg.Setup.Park = &setup.ParkConfig{}
 	}
@@ -116,8 +126,8 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		if !u.Initial {
 			r.metrics.ObserveTableUpdate(u.Deleted)
 		}
-		if !u.Deleted && !u.Entry.Invalid && r.pool != nil {
-			r.pool.Release(u.Device) // a parked device got a group
+		if !u.Deleted && !u.Entry.Invalid && r.release != nil {
+			r.release(u.Device) // a parked device got a group
 		}
 		if next != nil {
 			next(u)
@@ -127,15 +137,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if err != nil {
 		return nil, err
 	}
-	lcfg := cfg.Lanes
-	lcfg.Logger = log.With().Str("component", "lanes").Logger()
-	// The lanes read the streams setup made: one place says what they are.
-	names := cfg.Setup.Names.WithDefaults()
-	lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
-	if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
-		return nil, err
-	}
-	pool, err := lanes.New(js, control, func(device string) (string, uint64, string) {
+	lookup := func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {
 			return "", 0, lanes.ReasonNoMapping
@@ -144,22 +146,41 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			return "", e.Revision, lanes.ReasonInvalidGroup
 		}
 		return e.Group, e.Revision, ""
-	}, lcfg)
-	if err != nil {
-		return nil, invalid(err, lanes.ErrInvalidConfig)
+	}
+	var pool engine
+	fenced := lanes.ErrFenced
+	if cfg.Setup.Mode == setup.ModeDirect {
+		if r.direct, err = newDirect(js.Conn(), lookup, table, control, cfg); err != nil {
+			return nil, invalid(err, direct.ErrInvalidConfig)
+		}
+		pool, fenced = directEngine{r.direct}, direct.ErrFenced
+	} else {
+		lcfg := cfg.Lanes
+		lcfg.Logger = log.With().Str("component", "lanes").Logger()
+		// The lanes read the streams setup made: one place says what they are.
+		names := cfg.Setup.Names.WithDefaults()
+		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
+			return nil, err
+		}
+		lp, err := lanes.New(js, control, lookup, lcfg)
+		if err != nil {
+			return nil, invalid(err, lanes.ErrInvalidConfig)
+		}
+		pool, r.release = lp, lp.Release
+		if cfg.Election.ReleaseTimeout == 0 {
+			// A releasing lane may wait DrainTimeout for acknowledgements, then write a checkpoint.
+			cfg.Election.ReleaseTimeout = lp.DrainTimeout() + 10*time.Second
+		}
 	}
 	ecfg := cfg.Election
 	ecfg.ReplicaID = cfg.ID
-	ecfg.Partitions = lcfg.Layout.Partitions
+	ecfg.Partitions = cfg.Lanes.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
 	if next := ecfg.OnChange; next != nil {
 		ecfg.OnChange = func(c election.Change) { r.observeChange(c); next(c) }
 	} else {
 		ecfg.OnChange = r.observeChange
-	}
-	if ecfg.ReleaseTimeout == 0 {
-		// A releasing lane may wait DrainTimeout for acknowledgements, then write a checkpoint.
-		ecfg.ReleaseTimeout = pool.DrainTimeout() + 10*time.Second
 	}
 	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
 		// The previous owner may have mapped with group values this replica's table has not
@@ -173,13 +194,14 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 			return err
 		}
-		// The lanes know nothing of the election: a lost lease reaches them as lanes.ErrFenced,
-		// which stops a lane without resending; a release lets it drain.
+		// The lanes know nothing of the election: a lost lease reaches them as lanes.ErrFenced
+		// (direct.ErrFenced), which stops a lane without resending (handing over); a release
+		// lets it drain (hand over).
 		lctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 		defer cancel(nil)
 		stop := context.AfterFunc(ctx, func() {
 			if cause := context.Cause(ctx); errors.Is(cause, election.ErrLeaseLost) {
-				cancel(fmt.Errorf("%w: %w", lanes.ErrFenced, cause))
+				cancel(fmt.Errorf("%w: %w", fenced, cause))
 			} else {
 				cancel(cause)
 			}
@@ -228,6 +250,9 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 		return r.elector.Run(gctx)
 	})
 	err = g.Wait()
+	if r.direct != nil {
+		r.direct.Close() // the partitions still handing over to their next owners
+	}
 	if parent.Err() == nil && ctx.Err() != nil {
 		return context.Cause(ctx) // an observer failed
 	}
@@ -309,18 +334,22 @@ func (r *Replica) newObservers(cfg Config) error {
 	if cfg.EventsSubject == "" {
 		return nil
 	}
+	resume := func(ctx context.Context, p int) (uint64, error) {
+		e, err := r.control.Get(ctx, subjects.CheckpointKey(p))
+		if err != nil {
+			return 0, err
+		}
+		cp, err := lanes.ParseCheckpoint(e.Value())
+		return cp.Seq, err
+	}
+	if r.direct != nil {
+		resume = nil // direct mode keeps no checkpoints
+	}
 	r.events, err = status.NewEvents(r.nc, status.EventsConfig{
-		Subject: cfg.EventsSubject,
-		Replica: r.id,
-		ResumeSeq: func(ctx context.Context, p int) (uint64, error) {
-			e, err := r.control.Get(ctx, subjects.CheckpointKey(p))
-			if err != nil {
-				return 0, err
-			}
-			cp, err := lanes.ParseCheckpoint(e.Value())
-			return cp.Seq, err
-		},
-		Logger: r.log.With().Str("component", "events").Logger(),
+		Subject:   cfg.EventsSubject,
+		Replica:   r.id,
+		ResumeSeq: resume,
+		Logger:    r.log.With().Str("component", "events").Logger(),
 	})
 	return err
 }

@@ -2,7 +2,8 @@
 // partitioning subject transform (or, in the streams layout, one stream per partition, after
 // probing that the server's account mapping fills them), OUTGOING with a duplicate window above
 // the worst takeover, UNMAPPED for dead letters, the groups bucket and the control bucket with
-// limit markers. It never changes an existing stream or bucket: where one differs from what
+// limit markers. In direct mode it creates no INCOMING: it checks that no stream captures the
+// device subjects and probes that the server maps them as the replicas receive them. It never changes an existing stream or bucket: where one differs from what
 // kvmapper needs it returns an error naming the difference and the fix. It leaves running to the
 // other packages.
 package setup

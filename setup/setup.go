@@ -35,6 +35,12 @@ type Config struct {
 	subjects.Names
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
+	// Mode is what devices publish into: INCOMING ([ModeStream], the default), or nothing
+	// ([ModeDirect]), when Ensure creates no INCOMING and checks the server with [CheckDirect].
+	Mode Mode
+	// Receive says, in direct mode, whether the server must stamp the partitions with its account
+	// mapping ([ReceiveMapping], the default) or must not ([ReceiveAll]).
+	Receive Receive
 	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
 	DuplicateWindow time.Duration
 	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
@@ -67,6 +73,12 @@ func (c *Config) Defaults() {
 	if c.LimitMarkerTTL == 0 {
 		c.LimitMarkerTTL = time.Minute
 	}
+	if c.Mode == "" {
+		c.Mode = ModeStream
+	}
+	if c.Receive == "" {
+		c.Receive = ReceiveMapping
+	}
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
@@ -77,6 +89,12 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Layout == nil {
 		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
+	if _, err := ParseMode(string(cfg.Mode)); err != nil {
+		return nil, err
+	}
+	if _, err := ParseReceive(string(cfg.Receive)); err != nil {
+		return nil, err
+	}
 	if cfg.DuplicateWindow < MinDuplicateWindow {
 		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
 	}
@@ -86,7 +104,12 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	lay := cfg.Layout
 	var report []string
 	steps := []func() (string, error){
-		func() (string, error) { return ensureIncoming(ctx, js, cfg) },
+		func() (string, error) {
+			if cfg.Mode == ModeDirect {
+				return ensureDirect(ctx, js, cfg)
+			}
+			return ensureIncoming(ctx, js, cfg)
+		},
 		func() (string, error) {
 			return ensureOutput(ctx, js, cfg, cfg.Outgoing, lay.OutStreamSubject(), "republished messages")
 		},

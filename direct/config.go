@@ -1,0 +1,196 @@
+package direct
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+var (
+	// ErrInvalidConfig is wrapped by the errors of [New] and [Pool.Run] for a configuration or an
+	// argument they cannot run with.
+	ErrInvalidConfig = errors.New("direct: invalid config")
+	// ErrFenced is returned by [Pool.Run] when the partition's lease clock ran out, or a newer owner
+	// announced itself: this replica must not forward that partition any more. A caller whose
+	// lease is lost cancels the partition's context with a cause wrapping ErrFenced: the partition
+	// then stops at once, without handing anything over, and Run returns nil. Any other cause (a
+	// release, a shutdown) hands the partition over to its next owner.
+	ErrFenced = errors.New("direct: partition fenced by a newer owner")
+	// ErrClosed is returned by [Pool.Run] after [Pool.Close].
+	ErrClosed = errors.New("direct: pool closed")
+)
+
+// Reasons a message goes to UNMAPPED, in the [HeaderReason] header. The lookup supplies the
+// others (no mapping, an invalid group); these are the ones the pool finds itself. They are the
+// strings package lanes uses for the same cases.
+const (
+	ReasonMalformedSubject = "malformed-subject" // the subject does not fit the in template
+)
+
+// Headers the pool sets on what it forwards. The device's own headers, Nats-Msg-Id and any
+// Nats-Expected-* among them, are passed on untouched: they address OUTGOING now.
+const (
+	HeaderReason    = "KVMapper-Reason"    // why a message went to UNMAPPED
+	HeaderSubject   = "KVMapper-Subject"   // on a dead letter: the subject it arrived on
+	HeaderPartition = "KVMapper-Partition" // provenance: the partition the message came through
+	HeaderEpoch     = "KVMapper-Epoch"     // provenance: the owner's lease epoch
+	HeaderRevision  = "KVMapper-Revision"  // provenance: KV revision of the mapping used
+)
+
+// HeaderProbe marks the probes of `kvmapper setup`: a message carrying it on a device whose id
+// starts with [ProbeDevicePrefix] is a probe, and the pool drops it without forwarding it.
+const (
+	HeaderProbe       = "KVMapper-Probe"
+	ProbeDevicePrefix = "kvmapper-probe-"
+)
+
+// Receive says how the owners of the partitions receive what devices publish.
+type Receive string
+
+const (
+	// ReceiveMapping: the server's account mapping (subjects.Layout.MappingSource →
+	// MappingDest) stamps the partition on every device subject, and each owner subscribes to
+	// its own partitions (subjects.Layout.Filter). The server delivers each message once.
+	ReceiveMapping Receive = "mapping"
+	// ReceiveAll: the server maps nothing; every replica subscribes to every device subject
+	// (subjects.Layout.StreamSubject) and keeps the messages of the partitions it owns. It needs
+	// no server configuration, and costs the server one delivery per replica per message.
+	ReceiveAll Receive = "all"
+)
+
+// ParseReceive reads a receive mode's name, "mapping" or "all"; "" is [ReceiveMapping].
+func ParseReceive(s string) (Receive, error) {
+	switch r := Receive(s); r {
+	case "", ReceiveMapping:
+		return ReceiveMapping, nil
+	case ReceiveAll:
+		return r, nil
+	}
+	return "", fmt.Errorf("%w: receive mode %q: use %s or %s", ErrInvalidConfig, s, ReceiveMapping, ReceiveAll)
+}
+
+// LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
+// reason (the UNMAPPED reasons of the caller: no mapping, an invalid group) when the device cannot
+// be mapped. It is called once per message from every partition at once: it must be safe for
+// concurrent use and must not block.
+type LookupFunc func(device string) (group string, revision uint64, reason string)
+
+// Assignment is one partition handed to [Pool.Run] by its owner.
+type Assignment struct {
+	Partition int
+	// Epoch is the owner's fencing token (the lease revision). It is stamped on every message,
+	// and a newer owner announces its own, higher, epoch to take the partition over.
+	Epoch uint64
+	// Valid reports whether the lease still holds by the owner's own clock. The partition stops
+	// forwarding as soon as it turns false. nil means the lease never runs out.
+	Valid func() bool
+}
+
+// Config tunes a [Pool]. Zero fields mean the defaults given.
+type Config struct {
+	// Layout gives the subject templates and the partition count. Required.
+	Layout *subjects.Layout
+	// Receive says how partitions are received. Default [ReceiveMapping].
+	Receive Receive
+	// Replica names this replica in handoff announcements and logs.
+	Replica string
+	// HandoffPrefix is the subject prefix of the handoff announcements: a new owner of partition p
+	// announces itself on <HandoffPrefix>.<p>. Every replica of one deployment must use the same.
+	// Default "kvmapper.direct.kvmapper".
+	HandoffPrefix string
+	// HandoffTimeout is how long a released partition keeps forwarding while no new owner has
+	// announced itself; after it the partition stops, and its messages get no acknowledgement
+	// until an owner subscribes. Default 5s.
+	HandoffTimeout time.Duration
+	// AnswerTimeout is how long a new owner waits for the previous owner's answer to its
+	// announcement before it serves on its own. Default 2s.
+	AnswerTimeout time.Duration
+	// HandoffSettle is how long an old owner goes on forwarding (and recording) after its handoff
+	// marker has come back, before it unsubscribes: a message the server matched against the
+	// subscriptions just before the new owner's existed may reach the old owner that late (its
+	// publisher's goroutine in the server was descheduled in between). The new owner holds what
+	// it receives meanwhile: a handoff delays the partition's PubAcks by about this. Default 50ms.
+	HandoffSettle time.Duration
+	// MaxRecorded bounds the reply subjects a released partition remembers for its next owner.
+	// Past it the partition stops forwarding and waits for the announcement. Default 1<<20.
+	MaxRecorded int
+	// QueueMessages and QueueBytes bound what waits in a partition's queue, between the
+	// connection and the partition's goroutine (subject, reply and payload are counted, and 64
+	// bytes per header). A message that finds the queue full is dropped, counted and logged: its
+	// publisher gets no acknowledgement and must retry. A new owner's queue holds what arrives
+	// while it waits for the previous owner's answer. QueueBytes is raised to the connection's
+	// maximum payload plus 8 KiB when lower. Defaults 16384 and 4 MiB.
+	QueueMessages int
+	QueueBytes    int64
+	// Revision, if set, returns the highest KV revision the groups table has applied; CatchUp, if
+	// set, blocks until the table has applied everything the groups bucket holds now. A new owner
+	// taking over from a previous owner that had applied a later revision than its own table
+	// calls CatchUp before forwarding anything, so that a group change the previous owner mapped
+	// with is never undone (I4).
+	Revision func() uint64
+	CatchUp  func(ctx context.Context) error
+	// Alone, if set, reports whether no other replica could take a released partition over (the
+	// last replica is stopping): the partition then stops at once instead of waiting up to
+	// HandoffTimeout for an announcement that will not come.
+	Alone func(ctx context.Context) bool
+	// Provenance adds the KVMapper-Partition, -Epoch and -Revision headers to what is forwarded.
+	// They are off by default: they make every stored message larger, which costs about a third
+	// of the throughput (BenchmarkPipeline), and can make OUTGOING refuse a message within a
+	// hundred bytes of its max_msg_size that it would have stored as the device sent it, changing
+	// the device's PubAck. A message they would push past the connection's maximum payload is
+	// forwarded without them.
+	Provenance bool
+	// Logger receives structured logs. Default: none.
+	Logger zerolog.Logger
+}
+
+func (c *Config) setDefaults() error {
+	if c.Layout == nil {
+		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	r, err := ParseReceive(string(c.Receive))
+	if err != nil {
+		return err
+	}
+	c.Receive = r
+	if c.HandoffPrefix == "" {
+		c.HandoffPrefix = "kvmapper.direct." + subjects.DefaultNames.Control
+	}
+	if c.HandoffTimeout == 0 {
+		c.HandoffTimeout = 5 * time.Second
+	}
+	if c.AnswerTimeout == 0 {
+		c.AnswerTimeout = 2 * time.Second
+	}
+	if c.HandoffSettle == 0 {
+		c.HandoffSettle = 50 * time.Millisecond
+	}
+	if c.MaxRecorded == 0 {
+		c.MaxRecorded = 1 << 20
+	}
+	if c.QueueMessages == 0 {
+		c.QueueMessages = 16384
+	}
+	if c.QueueBytes == 0 {
+		c.QueueBytes = 4 << 20
+	}
+	switch {
+	case c.HandoffTimeout < 0, c.AnswerTimeout < 0, c.HandoffSettle < 0:
+		return fmt.Errorf("%w: durations must be positive", ErrInvalidConfig)
+	case c.MaxRecorded < 0, c.QueueMessages < 0, c.QueueBytes < 0:
+		return fmt.Errorf("%w: MaxRecorded, QueueMessages and QueueBytes must be positive", ErrInvalidConfig)
+	case (c.Revision == nil) != (c.CatchUp == nil):
+		return fmt.Errorf("%w: Revision and CatchUp go together", ErrInvalidConfig)
+	}
+	for _, tok := range splitSubject(c.HandoffPrefix) {
+		if subjects.ValidToken(tok) != nil {
+			return fmt.Errorf("%w: handoff prefix %q is not a subject without wildcards", ErrInvalidConfig, c.HandoffPrefix)
+		}
+	}
+	return nil
+}

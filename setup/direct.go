@@ -1,0 +1,273 @@
+package setup
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// Mode is what devices publish into.
+type Mode string
+
+const (
+	// ModeStream (the default): devices publish into INCOMING, and the replicas map what it
+	// stores.
+	ModeStream Mode = "stream"
+	// ModeDirect: no stream captures what devices publish; the owner of each partition receives
+	// it over core NATS and republishes it to OUTGOING with the device's reply subject, so that
+	// the device's acknowledgement comes from OUTGOING. [Ensure] creates no INCOMING, refuses any
+	// stream that captures the device subjects and probes how the server delivers them
+	// ([CheckDirect]).
+	ModeDirect Mode = "direct"
+)
+
+// ParseMode reads a mode's name, "stream" or "direct"; "" is [ModeStream].
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case "", ModeStream:
+		return ModeStream, nil
+	case ModeDirect:
+		return m, nil
+	}
+	return "", fmt.Errorf("%w: mode %q: use %s or %s", ErrInvalidConfig, s, ModeStream, ModeDirect)
+}
+
+// Receive says how the replicas of direct mode receive what devices publish.
+type Receive string
+
+const (
+	// ReceiveMapping (the default): the server's account mapping stamps the partition on every
+	// device subject ([MappingConfig]); each owner subscribes to its own partitions.
+	ReceiveMapping Receive = "mapping"
+	// ReceiveAll: the server maps nothing; every replica subscribes to every device subject and
+	// keeps its own partitions.
+	ReceiveAll Receive = "all"
+)
+
+// ParseReceive reads a receive mode's name, "mapping" or "all"; "" is [ReceiveMapping].
+func ParseReceive(s string) (Receive, error) {
+	switch r := Receive(s); r {
+	case "", ReceiveMapping:
+		return ReceiveMapping, nil
+	case ReceiveAll:
+		return r, nil
+	}
+	return "", fmt.Errorf("%w: receive mode %q: use %s or %s", ErrInvalidConfig, s, ReceiveMapping, ReceiveAll)
+}
+
+// ProbeHeader marks the probes [CheckDirect] publishes; the replicas of direct mode drop a
+// message carrying it whose device id starts with kvmapper-probe-.
+const ProbeHeader = "KVMapper-Probe"
+
+// storedWildcard is the shape of a device subject once the account mapping has written its
+// partition into it: "incoming.*.*.*".
+func storedWildcard(lay *subjects.Layout) string {
+	prefix := lay.In.Prefix()
+	return prefix + ".*." + strings.TrimPrefix(lay.StreamSubject(), prefix+".")
+}
+
+// ensureDirect checks what direct mode needs of the server: no stream capturing the device
+// subjects, and the account mapping present (ReceiveMapping) or absent (ReceiveAll).
+func ensureDirect(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	if err := CheckDirect(ctx, js, cfg); err != nil {
+		return "", err
+	}
+	lay := cfg.Layout
+	if cfg.Receive == ReceiveAll {
+		return fmt.Sprintf("direct mode: no stream captures %s, and the server does not map it: every replica receives every device subject and keeps its partitions (probed)",
+			lay.StreamSubject()), nil
+	}
+	return fmt.Sprintf("direct mode: no stream captures %s; the account mapping %s → %s delivers every partition (probed)",
+		lay.StreamSubject(), lay.MappingSource(), lay.MappingDest()), nil
+}
+
+// CheckDirect checks that the server delivers what devices publish as direct mode with
+// cfg.Receive needs. It fails wrapping [ErrMismatch] when a stream captures the device subjects
+// (the device would get that stream's acknowledgement, and the message would be stored twice),
+// wrapping [ErrNoMapping] with the configuration to add when cfg.Receive is [ReceiveMapping]
+// and the server does not stamp the partitions, and wrapping [ErrMismatch] when cfg.Receive is
+// [ReceiveAll] and it does. It lists the streams (one request per shape of device subject),
+// then publishes one probe per partition, on a device of that partition, with no reply subject
+// and the [ProbeHeader], and sees where each one arrives on core subscriptions of its own:
+// nothing is stored, and the replicas drop the probes. It blocks for one round trip and at most
+// five seconds.
+func CheckDirect(ctx context.Context, js jetstream.JetStream, cfg Config) error {
+	cfg.Defaults()
+	if cfg.Layout == nil {
+		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
+	}
+	if err := checkNoCapture(ctx, js, cfg); err != nil {
+		return err
+	}
+	lay := cfg.Layout
+	got, err := probeDirect(ctx, js.Conn(), lay)
+	if err != nil {
+		return err
+	}
+	var mapped, plain, wrong, lost []string
+	for p, g := range got {
+		switch {
+		case g.arrived == "":
+			lost = append(lost, g.sent)
+		case g.partition < 0:
+			plain = append(plain, g.sent)
+		case g.partition == p:
+			mapped = append(mapped, g.sent)
+		default:
+			wrong = append(wrong, fmt.Sprintf("%s arrived as %s, not in partition %d", g.sent, g.arrived, p))
+		}
+	}
+	if len(lost) > 0 {
+		return fmt.Errorf("setup: %d of %d probes published to %s (e.g. %s) did not come back: direct mode needs to publish to and subscribe to the device subjects and their mapped form %s",
+			len(lost), len(got), lay.StreamSubject(), lost[0], storedWildcard(lay))
+	}
+	if cfg.Receive == ReceiveAll {
+		if len(plain) == len(got) {
+			return nil
+		}
+		return fmt.Errorf("%w: the server maps what devices publish to %s into partitions (%d of %d probes arrived mapped), so a replica subscribed to %s receives nothing: run with --direct-receive %s, or remove the account mapping",
+			ErrMismatch, lay.StreamSubject(), len(got)-len(plain), len(got), lay.StreamSubject(), ReceiveMapping)
+	}
+	if len(mapped) == len(got) {
+		return nil
+	}
+	var why string
+	switch {
+	case len(plain) == len(got):
+		why = fmt.Sprintf("the probes published to %s (e.g. %s) arrived unchanged: the account has no mapping %s → %s",
+			lay.StreamSubject(), plain[0], lay.MappingSource(), lay.MappingDest())
+	case len(wrong) > 0:
+		why = fmt.Sprintf("%d of %d probes arrived in the wrong partition (e.g. %s): the account maps %s with another partition count or template",
+			len(wrong), len(got), wrong[0], lay.MappingSource())
+	default:
+		why = fmt.Sprintf("%d of %d probes arrived unchanged (e.g. %s): the account maps %s with another partition count or template",
+			len(plain), len(got), plain[0], lay.MappingSource())
+	}
+	return fmt.Errorf("%w: %s.\n\n%s\nOr run with --direct-receive %s: every replica then receives every device subject and keeps its partitions, with no mapping",
+		ErrNoMapping, why, MappingConfig(lay), ReceiveAll)
+}
+
+// checkNoCapture refuses any stream whose subjects overlap what devices publish, mapped or not.
+func checkNoCapture(ctx context.Context, js jetstream.JetStream, cfg Config) error {
+	lay := cfg.Layout
+	seen := map[string]bool{}
+	var capturing []string
+	for _, subject := range []string{lay.StreamSubject(), storedWildcard(lay)} {
+		names := js.StreamNames(ctx, jetstream.WithStreamListSubject(subject))
+		for n := range names.Name() {
+			if !seen[n] {
+				seen[n] = true
+				capturing = append(capturing, n)
+			}
+		}
+		if err := names.Err(); err != nil {
+			return fmt.Errorf("setup: listing the streams that capture %s: %w", subject, err)
+		}
+	}
+	if len(capturing) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: stream %s captures what devices publish (%s): in direct mode its acknowledgement would reach the device instead of OUTGOING's, and every message would be stored twice. Map what it holds first (run in stream mode until `kvmapper verify` passes), then remove it (`nats stream rm %s`); or run without --mode direct",
+		ErrMismatch, strings.Join(capturing, ", "), lay.StreamSubject(), capturing[0])
+}
+
+// probeResult is where one probe arrived.
+type probeResult struct {
+	sent      string // the subject it was published to
+	arrived   string // the subject it arrived on; "" if it did not
+	partition int    // the partition token it arrived with; -1 when unmapped
+}
+
+// probeWaitDirect bounds the wait for the probes of [CheckDirect].
+const probeWaitDirect = 5 * time.Second
+
+// probeDirect publishes one probe per partition and returns where each arrived, by partition.
+func probeDirect(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) ([]probeResult, error) {
+	devices := probeDevices(lay.Partitions)
+	nonce := strconv.FormatInt(time.Now().UnixNano(), 36)
+	arrivals := make(chan *nats.Msg, 4*lay.Partitions)
+	out := make([]probeResult, len(devices))
+	prefixDot := lay.In.Prefix() + "."
+	var subs []*nats.Subscription
+	defer func() {
+		for _, s := range subs {
+			_ = s.Unsubscribe()
+		}
+	}()
+	bySubject := map[string]int{}
+	for p, dev := range devices {
+		subject, err := probeSubject(lay, dev)
+		if err != nil {
+			return nil, err
+		}
+		out[p] = probeResult{sent: subject, partition: -1}
+		bySubject[subject] = p
+		mappedForm := prefixDot + "*." + strings.TrimPrefix(subject, prefixDot)
+		for _, s := range []string{subject, mappedForm} {
+			sub, err := nc.ChanSubscribe(s, arrivals)
+			if err != nil {
+				return nil, fmt.Errorf("setup: subscribing to %s to probe direct mode: %w", s, err)
+			}
+			subs = append(subs, sub)
+		}
+	}
+	for _, r := range out {
+		m := nats.NewMsg(r.sent)
+		m.Header.Set(ProbeHeader, nonce)
+		if err := nc.PublishMsg(m); err != nil {
+			return nil, fmt.Errorf("setup: publishing a probe to %s: %w", r.sent, err)
+		}
+	}
+	fctx, cancel := context.WithTimeout(ctx, probeWaitDirect)
+	defer cancel()
+	if err := nc.FlushWithContext(fctx); err != nil {
+		return nil, fmt.Errorf("setup: probing direct mode: %w", err)
+	}
+	timer := time.NewTimer(probeWaitDirect)
+	defer timer.Stop()
+	for left := len(out); left > 0; {
+		select {
+		case m := <-arrivals:
+			if m.Header.Get(ProbeHeader) != nonce {
+				continue
+			}
+			p, part := probeOrigin(m.Subject, prefixDot, bySubject)
+			if p < 0 || out[p].arrived != "" {
+				continue
+			}
+			out[p].arrived, out[p].partition = m.Subject, part
+			left--
+		case <-timer.C:
+			return out, nil
+		case <-ctx.Done():
+			return nil, fmt.Errorf("setup: probing direct mode: %w", ctx.Err())
+		}
+	}
+	return out, nil
+}
+
+// probeOrigin returns which probe arrived on subject, and the partition token it carries (-1
+// when it arrived unmapped); -1, -1 for a subject that is not one of them.
+func probeOrigin(subject, prefixDot string, bySubject map[string]int) (p, partition int) {
+	if p, ok := bySubject[subject]; ok {
+		return p, -1
+	}
+	rest := strings.TrimPrefix(subject, prefixDot)
+	tok, plain, ok := strings.Cut(rest, ".")
+	if !ok {
+		return -1, -1
+	}
+	p, ok = bySubject[prefixDot+plain]
+	n, err := strconv.Atoi(tok)
+	if !ok || err != nil {
+		return -1, -1
+	}
+	return p, n
+}

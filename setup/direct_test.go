@@ -1,0 +1,135 @@
+package setup_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/setup"
+)
+
+func directConfig(t *testing.T, partitions int, r setup.Receive) setup.Config {
+	return setup.Config{Layout: layout(t, partitions), Mode: setup.ModeDirect, Receive: r}
+}
+
+// Direct mode creates no INCOMING, and says what the server does with the device subjects.
+func TestDirectModeCreatesNoIncoming(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		receive setup.Receive
+		mapped  bool
+		want    string
+	}{
+		{setup.ReceiveMapping, true, "direct mode: no stream captures incoming.*.*; the account mapping incoming.*.* → incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}} delivers every partition (probed)"},
+		{setup.ReceiveAll, false, "direct mode: no stream captures incoming.*.*, and the server does not map it: every replica receives every device subject and keeps its partitions (probed)"},
+	} {
+		t.Run(string(c.receive), func(t *testing.T) {
+			cfg := directConfig(t, 16, c.receive)
+			srv := natstest.Start(t)
+			if c.mapped {
+				srv = mapped(t, cfg.Layout)
+			}
+			_, js := srv.JetStream(t)
+			lines, err := setup.Ensure(ctx, js, cfg)
+			if err != nil {
+				t.Fatalf("Ensure: %v", err)
+			}
+			if len(lines) != 5 || lines[0] != c.want {
+				t.Fatalf("Ensure reported %q, want 5 lines starting with %q", lines, c.want)
+			}
+			if _, err := js.Stream(ctx, "INCOMING"); !errors.Is(err, jetstream.ErrStreamNotFound) {
+				t.Errorf("Stream(INCOMING) = %v, want not found in direct mode", err)
+			}
+			for _, s := range []string{"OUTGOING", "UNMAPPED"} {
+				if _, err := js.Stream(ctx, s); err != nil {
+					t.Errorf("Stream(%s): %v", s, err)
+				}
+			}
+		})
+	}
+}
+
+// Without the mapping, direct mode with the default receive mode refuses and prints the mapping
+// block to add, or the way around it.
+func TestDirectModeNeedsTheMapping(t *testing.T) {
+	cfg := directConfig(t, 16, setup.ReceiveMapping)
+	_, js := natstest.Start(t).JetStream(t)
+	_, err := setup.Ensure(context.Background(), js, cfg)
+	if !errors.Is(err, setup.ErrNoMapping) {
+		t.Fatalf("Ensure without the mapping = %v, want ErrNoMapping", err)
+	}
+	for _, want := range []string{
+		"arrived unchanged: the account has no mapping",
+		"mappings {\n  \"incoming.*.*\": \"incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}\"\n}",
+		`nsc add mapping --account <ACCOUNT> --from "incoming.*.*"`,
+		"--direct-receive all",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not say %q:\n%v", want, err)
+		}
+	}
+}
+
+// A mapping for another partition count is named as such.
+func TestDirectModeRefusesAnotherPartitionCount(t *testing.T) {
+	srv := mapped(t, layout(t, 8))
+	_, js := srv.JetStream(t)
+	_, err := setup.Ensure(context.Background(), js, directConfig(t, 16, setup.ReceiveMapping))
+	if !errors.Is(err, setup.ErrNoMapping) || !strings.Contains(err.Error(), "wrong partition") {
+		t.Fatalf("Ensure with a mapping of 8 partitions = %v, want ErrNoMapping naming the wrong partition", err)
+	}
+}
+
+// Receiving every device subject needs the server not to map them: mapped, no replica
+// subscribed to incoming.*.* would receive anything.
+func TestDirectReceiveAllRefusesTheMapping(t *testing.T) {
+	cfg := directConfig(t, 16, setup.ReceiveAll)
+	_, js := mapped(t, cfg.Layout).JetStream(t)
+	_, err := setup.Ensure(context.Background(), js, cfg)
+	if !errors.Is(err, setup.ErrMismatch) || !strings.Contains(err.Error(), "--direct-receive mapping") {
+		t.Fatalf("Ensure = %v, want ErrMismatch pointing to --direct-receive mapping", err)
+	}
+}
+
+// A stream that captures the device subjects (stream mode's INCOMING, or any other) would
+// answer the devices instead of OUTGOING: direct mode refuses it and says what to do.
+func TestDirectModeRefusesAStreamCapturingTheDevices(t *testing.T) {
+	ctx := context.Background()
+	for name, subject := range map[string]string{"INCOMING": "incoming.*.*", "TAP": "incoming.>", "MAPPED": "incoming.3.*.*"} {
+		t.Run(name, func(t *testing.T) {
+			cfg := directConfig(t, 16, setup.ReceiveMapping)
+			_, js := mapped(t, cfg.Layout).JetStream(t)
+			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject}}); err != nil {
+				t.Fatal(err)
+			}
+			_, err := setup.Ensure(ctx, js, cfg)
+			if !errors.Is(err, setup.ErrMismatch) {
+				t.Fatalf("Ensure beside stream %s capturing %s = %v, want ErrMismatch", name, subject, err)
+			}
+			for _, want := range []string{"stream " + name + " captures what devices publish", "nats stream rm " + name, "without --mode direct"} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("error does not say %q: %v", want, err)
+				}
+			}
+		})
+	}
+}
+
+func TestParseModeAndReceive(t *testing.T) {
+	if m, err := setup.ParseMode(""); m != setup.ModeStream || err != nil {
+		t.Errorf(`ParseMode("") = %q, %v; want stream`, m, err)
+	}
+	if _, err := setup.ParseMode("fast"); !errors.Is(err, setup.ErrInvalidConfig) {
+		t.Errorf(`ParseMode("fast") = %v, want ErrInvalidConfig`, err)
+	}
+	if r, err := setup.ParseReceive(""); r != setup.ReceiveMapping || err != nil {
+		t.Errorf(`ParseReceive("") = %q, %v; want mapping`, r, err)
+	}
+	if _, err := setup.Ensure(context.Background(), nil, setup.Config{Layout: layout(t, 16), Mode: "fast"}); !errors.Is(err, setup.ErrInvalidConfig) {
+		t.Errorf("Ensure with mode fast = %v, want ErrInvalidConfig", err)
+	}
+}
