@@ -260,7 +260,7 @@ func TestParkMaxAge(t *testing.T) {
 // device's order; it stores again only what was republished and not purged yet.
 func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
-		const total = 4000
+		const total = 2000
 		cfg := f.parkOn(lanes.Config{}, total, total)
 		cfg.Park.PurgeInterval = 10 * time.Millisecond // purged early in the release, cut after that
 		ctx := context.Background()
