@@ -27,6 +27,11 @@ type Snapshot struct {
 	Reorders   uint64            // messages this replica stored after a later one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 
+	Parked         uint64 // messages parked in PARKED
+	Released       uint64 // parked messages republished to OUTGOING
+	ParkedDevices  int64  // devices this replica's lanes hold parked now
+	ParkedMessages int64  // messages they hold parked
+
 	Owned      int         // partitions this replica holds a lease for
 	Partitions []Partition // the partitions whose lane is running now
 
@@ -194,7 +199,12 @@ var (
 	descWatchLag   = prometheus.NewDesc("kvmapper_table_watch_lag_revisions", "Revisions the groups bucket holds beyond what the table has applied.", nil, nil)
 	descEventsPub  = prometheus.NewDesc("kvmapper_events_published_total", "Ownership events published.", nil, nil)
 	descEventsDrop = prometheus.NewDesc("kvmapper_events_dropped_total", "Ownership events dropped because the publisher fell behind.", nil, nil)
-	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop}
+	descParked     = prometheus.NewDesc("kvmapper_parked_total", "Messages of devices without a mapping parked in PARKED (--on-unmapped park).", nil, nil)
+	descReleased   = prometheus.NewDesc("kvmapper_released_total", "Parked messages republished to OUTGOING once their device had a group (also counted in kvmapper_mapped_total).", nil, nil)
+	descParkedDevs = prometheus.NewDesc("kvmapper_parked_devices", "Devices this replica's lanes hold parked.", nil, nil)
+	descParkedMsgs = prometheus.NewDesc("kvmapper_parked_messages", "Messages this replica's lanes hold parked, as far as they know (PARKED is the record).", nil, nil)
+	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
+		descParked, descReleased, descParkedDevs, descParkedMsgs}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -243,4 +253,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descEventsPub, s.EventsPublished)
 	counter(descEventsDrop, s.EventsDropped)
+	counter(descParked, s.Parked)
+	counter(descReleased, s.Released)
+	gauge(descParkedDevs, float64(s.ParkedDevices))
+	gauge(descParkedMsgs, float64(s.ParkedMessages))
 }
