@@ -56,7 +56,8 @@ func runCommand() *cli.Command {
 			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
 			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
 			groupsHistoryFlag(),
-		}, layoutFlags(), logFlags()),
+			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)", EnvVars: env("PARK_MAX_AGE")},
+		}, parkFlags(), layoutFlags(), logFlags()),
 		Action: runAction,
 	}
 }
@@ -67,7 +68,7 @@ func setupCommand() *cli.Command {
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
 			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}),
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}, parkFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
@@ -125,6 +126,9 @@ func runAction(c *cli.Context) error {
 		if err := wholeSeconds(c, "lease-ttl"); err != nil {
 			return err
 		}
+	}
+	if d := c.Duration("park-max-age"); d < 0 {
+		return usagef("invalid value %v for flag --park-max-age: must not be negative (0: never)", d)
 	}
 	if n := c.Int("max-in-flight"); n < lay.Partitions || n > 50_000 {
 		return usagef("invalid value %d for flag --max-in-flight: use %d (one per partition) to 50000 (the server refuses single messages past 100k queued)", n, lay.Partitions)
@@ -190,6 +194,7 @@ func runAction(c *cli.Context) error {
 			PublishTimeout:     c.Duration("publish-timeout"),
 			DrainTimeout:       c.Duration("drain-timeout"),
 			NoProvenance:       c.Bool("no-provenance"),
+			Park:               lanes.ParkConfig{New: scfg.Park != nil, MaxAge: c.Duration("park-max-age")},
 		},
 		Direct: direct.Config{
 			HandoffTimeout: c.Duration("handoff-timeout"),

@@ -94,6 +94,9 @@ type Config struct {
 	IncarnationCheck time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
+	// Park holds devices without a mapping in the PARKED stream until they get one (see
+	// [ParkConfig]); its zero value turns parking off.
+	Park ParkConfig
 	// Logger receives structured logs. Default: none.
 	Logger zerolog.Logger
 }
@@ -146,6 +149,9 @@ func (c *Config) setDefaults() error {
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = 50 * time.Millisecond
 	}
+	if err := c.Park.setDefaults(); err != nil {
+		return err
+	}
 	if c.MaxRetryBackoff == 0 {
 		c.MaxRetryBackoff = 2 * time.Second
 	}
@@ -174,6 +180,12 @@ type Stats struct {
 	InFlight   int               // publishes awaiting acknowledgement now
 	// InFlightBytes is the size on the wire of the publishes awaiting acknowledgement now.
 	InFlightBytes int64
+	// Parked counts messages PARKED stored; Released those of them republished to OUTGOING
+	// (also counted in Mapped). Dead letters from the park count in Unmapped by reason.
+	Parked, Released uint64
+	// ParkedDevices and ParkedMessages are what the running lanes hold parked now, as far as
+	// they know (PARKED itself is the record: see package status).
+	ParkedDevices, ParkedMessages int64
 }
 
 // Pool runs lanes: one per owned partition, sharing one bound on the publishes in flight, in
@@ -197,6 +209,7 @@ type Pool struct {
 
 	mapped, duplicates, retries, failures atomic.Uint64
 	dropped, reorders                     atomic.Uint64
+	parked, released                      atomic.Uint64
 	unmappedMu                            sync.Mutex
 	unmapped                              map[string]uint64
 
@@ -257,6 +270,8 @@ type PartitionStats struct {
 	Checkpoint uint64 // last sequence written to checkpoint.<p>
 	Pending    uint64 // messages of the partition in INCOMING not yet delivered to the lane
 	InFlight   int    // publishes awaiting acknowledgement
+	// ParkedDevices and ParkedMessages are what the lane holds parked now, as far as it knows.
+	ParkedDevices, ParkedMessages int64
 }
 
 // Lag is how many messages of the partition are not yet acknowledged by OUTGOING or UNMAPPED.
@@ -275,6 +290,9 @@ func (p *Pool) Partitions() []PartitionStats {
 			Pending:    l.stats.pending.Load(),
 			InFlight:   int(l.stats.inFlight.Load()),
 		})
+		if l.park != nil {
+			out[len(out)-1].ParkedDevices, out[len(out)-1].ParkedMessages = l.park.nDevices.Load(), l.park.nMsgs.Load()
+		}
 	}
 	p.lanesMu.Unlock()
 	slices.SortFunc(out, func(a, b PartitionStats) int { return a.Partition - b.Partition })
@@ -307,8 +325,18 @@ func (p *Pool) Stats() Stats {
 		Failures:   p.failures.Load(),
 		Dropped:    p.dropped.Load(),
 		Reorders:   p.reorders.Load(),
+		Parked:     p.parked.Load(),
+		Released:   p.released.Load(),
 		Unmapped:   make(map[string]uint64),
 	}
+	p.lanesMu.Lock()
+	for l := range p.lanes {
+		if l.park != nil {
+			s.ParkedDevices += l.park.nDevices.Load()
+			s.ParkedMessages += l.park.nMsgs.Load()
+		}
+	}
+	p.lanesMu.Unlock()
 	msgs, bytes := p.window.inFlight()
 	s.InFlight, s.InFlightBytes = int(msgs), bytes
 	p.unmappedMu.Lock()

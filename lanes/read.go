@@ -88,6 +88,13 @@ const (
 // errCreateTimedOut reports a consumer creation that got no answer in time.
 var errCreateTimedOut = errors.New("lanes: no answer to the creation of a consumer")
 
+// resetAttempts is how many times an ordered consumer (a parked device's drain reads through
+// one) tries to recreate itself after a reset before its iterator fails. nats.go's default is
+// for ever, under one name: on a cluster, a consumer recreated within seconds of a server's
+// crash can be placed on that server (see consumerCreateTimeout), and every attempt at that
+// name then waits for an answer that never comes. A new ordered consumer has a new name.
+const resetAttempts = 1
+
 // consumerInactive is how long the server keeps a lane's consumer that nobody reads, when the
 // lane could not delete it (its process died).
 const consumerInactive = time.Minute

@@ -78,7 +78,7 @@ func (l *lane) recover(ctx context.Context) error {
 			l.expire(time.Now())
 			break
 		}
-		if reason, why := permanent(e.err); reason != "" {
+		if reason, why := l.refusal(e); reason != "" {
 			if !l.refused(e, reason, why) {
 				continue // given up: counted and logged
 			}
@@ -137,7 +137,7 @@ func (l *lane) refused(e *entry, reason, why string) bool {
 	case e.reason == "":
 		l.p.warn("refused", func(ev *zerolog.Event) {
 			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
-				Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
+				Msg("OUTGOING (or PARKED, for a park) refused a message for good; dead-lettered to UNMAPPED")
 		})
 		l.redirect(e, reason, why)
 	case !e.stripped:

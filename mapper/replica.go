@@ -38,7 +38,12 @@ type Config struct {
 	// Table tunes the groups table; its Logger is set from Logger and OnUpdate is chained
 	// after the replica's own.
 	Table kv.Config
-	Lanes lanes.Config // Layout is required; Incoming, StreamLayout and Logger are set from Setup and Logger
+	// Lanes tunes the lanes: Layout is required; Incoming, StreamLayout and Logger are set from
+	// Setup and Logger. With Lanes.Park.New (--on-unmapped park) setup creates PARKED (with
+	// Setup.Park's limits, or the defaults) and the lanes park devices without a mapping; without
+	// it, a PARKED that exists is still drained (see [New]). Park's Stream and Prefix are set
+	// from Setup's names.
+	Lanes lanes.Config
 	// Election tunes the elector; ReplicaID, Partitions and Logger are set from the rest, and
 	// OnChange is chained. A zero LeaseTTL is chosen from the control bucket's replica count
 	// (election.LeaseTTLFor) and logged.
@@ -71,8 +76,9 @@ type Replica struct {
 	groups  jetstream.KeyValue
 	control jetstream.KeyValue
 	table   *kv.Table
-	pool    engine       // the lanes, or in direct mode the direct pool
-	direct  *direct.Pool // direct mode only
+	pool    engine              // the lanes, or in direct mode the direct pool
+	direct  *direct.Pool        // direct mode only
+	release func(device string) // the lanes' Pool.Release; nil in direct mode
 	elector *election.Elector
 
 	// Observation: metrics always (cheap; served only with MetricsListen), the micro status
@@ -120,6 +126,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
+	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
+		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
+	}
+	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
+		cfg.Setup.Park = &setup.ParkConfig{}
+	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
 	cancel()
@@ -145,6 +157,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	tcfg.OnUpdate = func(u kv.Update) {
 		if !u.Initial {
 			r.metrics.ObserveTableUpdate(u.Deleted)
+		}
+		if !u.Deleted && !u.Entry.Invalid && r.release != nil {
+			r.release(u.Device) // a parked device got a group
 		}
 		if next != nil {
 			next(u)
@@ -183,11 +198,14 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
+			return nil, err
+		}
 		lp, err := lanes.New(js, control, lookup, lcfg)
 		if err != nil {
 			return nil, invalid(err, lanes.ErrInvalidConfig)
 		}
-		pool = lp
+		pool, r.release = lp, lp.Release
 		if cfg.Election.ReleaseTimeout == 0 {
 			// A releasing lane may wait DrainTimeout for acknowledgements, then write a checkpoint.
 			cfg.Election.ReleaseTimeout = lp.DrainTimeout() + 10*time.Second
@@ -282,6 +300,39 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
+	}
+	return nil
+}
+
+// parking sets the lanes' parking from the names setup used: on for new devices with
+// --on-unmapped park; otherwise on only to drain a PARKED that the deployment used (setup wrote
+// the control bucket's parked key; parked by an earlier run, or by another replica), so that
+// turning parking off neither strands parked messages nor lets a parked device's live messages
+// overtake them. A deployment that never parked never touches PARKED.
+func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyValue, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
+	pc.Prefix, pc.Stream = names.ParkedPrefix, ""
+	if pc.New {
+		pc.Stream = names.Parked
+		return nil
+	}
+	_, err := control.Get(ctx, subjects.ParkedKey)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading %s in bucket %s: %w", subjects.ParkedKey, control.Bucket(), err)
+	}
+	s, err := js.Stream(ctx, names.Parked)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, subjects.ParkedKey, control.Bucket(), err)
+	}
+	pc.Stream = names.Parked
+	if n := s.CachedInfo().State.Msgs; n > 0 {
+		log.Warn().Str("stream", names.Parked).Uint64("messages", n).
+			Msg("PARKED holds parked messages: they are released as their devices get a group (or expire, or are unparked), but no new device is parked (--on-unmapped dead-letter)")
 	}
 	return nil
 }
@@ -438,6 +489,7 @@ func (r *Replica) report() status.Report {
 		Counters: status.Counters{
 			Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
 		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
 	}
@@ -445,6 +497,7 @@ func (r *Replica) report() status.Report {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{
 			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint,
 			Pending: p.Pending, InFlight: p.InFlight, Lag: p.Lag(),
+			ParkedDevices: p.ParkedDevices, ParkedMessages: p.ParkedMessages,
 		})
 	}
 	return rep
@@ -462,6 +515,7 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	s := metrics.Snapshot{
 		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 		Retries: st.Retries, Failures: st.Failures, Dropped: st.Dropped, Reorders: st.Reorders, InFlight: st.InFlight,
+		Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		Owned:         len(r.elector.Owned()),
 		TableDevices:  r.table.Len(),
 		TableRevision: r.table.Revision(),

@@ -27,6 +27,11 @@ type Snapshot struct {
 	Reorders   uint64            // messages this replica stored after a later one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 
+	Parked         uint64 // messages parked in PARKED
+	Released       uint64 // parked messages republished to OUTGOING
+	ParkedDevices  int64  // devices this replica's lanes hold parked now
+	ParkedMessages int64  // messages they hold parked
+
 	Owned      int         // partitions this replica holds a lease for
 	Partitions []Partition // the partitions whose lane is running now
 
@@ -215,6 +220,10 @@ var (
 	descWatchLag   = prometheus.NewDesc("kvmapper_table_watch_lag_revisions", "Revisions the groups bucket holds beyond what the table has applied.", nil, nil)
 	descEventsPub  = prometheus.NewDesc("kvmapper_events_published_total", "Ownership events published.", nil, nil)
 	descEventsDrop = prometheus.NewDesc("kvmapper_events_dropped_total", "Ownership events dropped because the publisher fell behind.", nil, nil)
+	descParked     = prometheus.NewDesc("kvmapper_parked_total", "Messages of devices without a mapping parked in PARKED (--on-unmapped park).", nil, nil)
+	descReleased   = prometheus.NewDesc("kvmapper_released_total", "Parked messages republished to OUTGOING once their device had a group (also counted in kvmapper_mapped_total).", nil, nil)
+	descParkedDevs = prometheus.NewDesc("kvmapper_parked_devices", "Devices this replica's lanes hold parked.", nil, nil)
+	descParkedMsgs = prometheus.NewDesc("kvmapper_parked_messages", "Messages this replica's lanes hold parked, as far as they know (PARKED is the record).", nil, nil)
 	descLeaseTTL   = prometheus.NewDesc("kvmapper_lease_ttl_seconds", "Partition lease TTL: a replica killed outright has its partitions taken over after about this.", nil, nil)
 	descReplicas   = prometheus.NewDesc("kvmapper_stream_replicas", "Replicas a stream or bucket was created with (0: its info could not be read).", []string{"stream"}, nil)
 	descHasLeader  = prometheus.NewDesc("kvmapper_stream_has_leader", "1 when the stream or bucket has a leader, 0 while it elects one or does not answer.", []string{"stream"}, nil)
@@ -223,6 +232,7 @@ var (
 	descFollowCur  = prometheus.NewDesc("kvmapper_stream_follower_current", "1 when a follower of the stream or bucket has everything its leader has.", []string{"stream", "server"}, nil)
 	descFollowSeen = prometheus.NewDesc("kvmapper_stream_follower_seen_seconds", "Since the leader of the stream or bucket last heard from a follower.", []string{"stream", "server"}, nil)
 	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
+		descParked, descReleased, descParkedDevs, descParkedMsgs,
 		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen}
 )
 
@@ -272,6 +282,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descEventsPub, s.EventsPublished)
 	counter(descEventsDrop, s.EventsDropped)
+	counter(descParked, s.Parked)
+	counter(descReleased, s.Released)
+	gauge(descParkedDevs, float64(s.ParkedDevices))
+	gauge(descParkedMsgs, float64(s.ParkedMessages))
 	if s.LeaseTTL > 0 {
 		gauge(descLeaseTTL, s.LeaseTTL.Seconds())
 	}

@@ -1,11 +1,13 @@
 package status
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -94,6 +96,9 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
 		return nil, err
 	}
+	if err := readParked(ctx, js, cfg, snap); err != nil {
+		return nil, err
+	}
 
 	wg.Wait()
 	byID := map[string]*Report{}
@@ -154,6 +159,9 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 		}
 		if e == nil {
 			break
+		}
+		if e.Key() == subjects.ParkedKey {
+			snap.parking = true
 		}
 		kind, p, id, ok := subjects.ParseControlKey(e.Key())
 		if kind == subjects.KindMember {
@@ -249,6 +257,48 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 		snap.Incoming.Messages += st.Messages
 	}
 	return streams, nil
+}
+
+// readParked counts PARKED's messages per device, if the deployment parks (the control bucket
+// holds subjects.ParkedKey) and the stream exists.
+func readParked(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, snap *Snapshot) error {
+	if !snap.parking {
+		return nil
+	}
+	s, err := js.Stream(ctx, cfg.Parked)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("status: opening stream %s: %w", cfg.Parked, err)
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(cfg.ParkedPrefix+".>"))
+	if err != nil {
+		return fmt.Errorf("status: reading stream %s: %w", cfg.Parked, err)
+	}
+	pk := &Parked{Stream: cfg.Parked, Messages: info.State.Msgs, Top: []ParkedDevice{}}
+	var all []ParkedDevice
+	for subj, n := range info.State.Subjects {
+		device, p, ok := subjects.ParkedDevice(cfg.ParkedPrefix, subj)
+		if !ok || n == 0 {
+			continue
+		}
+		all = append(all, ParkedDevice{Device: device, Partition: p, Messages: n})
+		if p < len(snap.Partitions) {
+			snap.Partitions[p].ParkedDevices++
+			snap.Partitions[p].ParkedMessages += n
+		}
+	}
+	pk.Devices = len(all)
+	slices.SortFunc(all, func(a, b ParkedDevice) int {
+		if a.Messages != b.Messages {
+			return cmp.Compare(b.Messages, a.Messages)
+		}
+		return strings.Compare(a.Device, b.Device)
+	})
+	pk.Top = append(pk.Top, all[:min(len(all), MaxParkedShown)]...)
+	snap.Parked = pk
+	return nil
 }
 
 // streamOf returns the stream holding partition p: INCOMING, or its partition stream.

@@ -79,6 +79,9 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 			strings.Join(stale, ", "), s.Incoming.Name, s.Incoming.Created.UTC().Format(time.RFC3339))
 	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
+	if err := s.Parked.writeText(w); err != nil {
+		return err
+	}
 	if len(s.Streams) == 0 {
 		fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
 		return s.writeReplication(w)
@@ -159,4 +162,25 @@ func orDash(v uint64) string {
 		return "-"
 	}
 	return strconv.FormatUint(v, 10)
+}
+
+// writeText writes what is parked, if anything: the totals and the devices with the most.
+func (pk *Parked) writeText(w io.Writer) error {
+	if pk == nil {
+		return nil
+	}
+	if pk.Devices == 0 {
+		_, err := fmt.Fprintf(w, "stream %s: nothing parked\n", pk.Stream)
+		return err
+	}
+	fmt.Fprintf(w, "stream %s: %d messages parked, of %d devices without a group (kvmapper unpark releases or drops them)\n", pk.Stream, pk.Messages, pk.Devices)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  PARKED DEVICE\tPARTITION\tMESSAGES\t")
+	for _, d := range pk.Top {
+		fmt.Fprintf(tw, "  %s\t%d\t%d\t\n", d.Device, d.Partition, d.Messages)
+	}
+	if n := pk.Devices - len(pk.Top); n > 0 {
+		fmt.Fprintf(tw, "  (%d more)\t\t\t\n", n)
+	}
+	return tw.Flush()
 }
