@@ -44,7 +44,7 @@ func runCommand() *cli.Command {
 			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
 			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together; each partition is guaranteed a quarter of its even share", EnvVars: env("MAX_IN_FLIGHT")},
 			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT_BYTES")},
-			&cli.DurationFlag{Name: "lease-ttl", Value: 2 * time.Second, Usage: "partition lease TTL: a dead replica's partitions move after about this (whole seconds)", EnvVars: env("LEASE_TTL")},
+			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds: a replica killed outright has its partitions moved after about this (default: 2s for a control bucket on one server, 15s for a replicated one, which rides through a NATS server's death)", EnvVars: env("LEASE_TTL")},
 			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
 			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
 			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
@@ -122,8 +122,10 @@ func runAction(c *cli.Context) error {
 			return err
 		}
 	}
-	if err := wholeSeconds(c, "lease-ttl"); err != nil {
-		return err
+	if c.IsSet("lease-ttl") {
+		if err := wholeSeconds(c, "lease-ttl"); err != nil {
+			return err
+		}
 	}
 	if d := c.Duration("park-max-age"); d < 0 {
 		return usagef("invalid value %v for flag --park-max-age: must not be negative (0: never)", d)

@@ -59,9 +59,12 @@ type Config struct {
 	PublishTimeout time.Duration
 	// StallTimeout is how long a lane waits with publishes in flight and no answer at all from
 	// the server before it takes every publish in flight for lost and resends them in order,
-	// first one alone. A stream whose leader died answers nothing until it has a new one (4–9 s
-	// on a cluster) and then stores whatever comes next: without this, what the lane sent after
-	// the lost messages would be stored first. Default 1s; negative turns it off.
+	// first one alone. A stream whose leader died answers nothing until it has a new one and then
+	// stores whatever comes next: without this, what the lane sent after the lost messages would
+	// be stored first. nats-server 2.15 elects the new leader at the earliest 3s after the old
+	// one's death (a 4–9s election timeout from a heartbeat at most 1s old), so the lane stops
+	// sending before. Default 2s, which a healthy but loaded cluster seldom outlasts; negative
+	// turns it off.
 	StallTimeout time.Duration
 	// DrainTimeout bounds how long a stopping lane waits for its in-flight publishes. Default 10s.
 	DrainTimeout time.Duration
@@ -126,7 +129,7 @@ func (c *Config) setDefaults() error {
 		c.PublishTimeout = 5 * time.Second
 	}
 	if c.StallTimeout == 0 {
-		c.StallTimeout = time.Second
+		c.StallTimeout = 2 * time.Second
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = 10 * time.Second

@@ -51,7 +51,7 @@ func (l *lane) recover(ctx context.Context) error {
 	}
 	l.p.warn("publish", func(ev *zerolog.Event) {
 		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
-			Msg("publish failed; resending in order (if this persists, check that the OUTGOING and UNMAPPED streams exist and the server is reachable)")
+			Msg("publish failed; resending in order (on a cluster this is expected for a few seconds while a stream elects its leader; if it persists, check that the OUTGOING and UNMAPPED streams exist and the servers are reachable)")
 	})
 	t := time.NewTimer(l.backoff)
 	select {

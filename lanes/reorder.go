@@ -94,7 +94,7 @@ func (l *lane) observe(e *entry) {
 	if n > 0 {
 		l.p.reorders.Add(uint64(n))
 		l.log.Error().Str("device", e.device).Uint64("seq", e.seq).Uint64("stored_at", e.out).Int("stored_after", n).
-			Msg("messages of a device were stored after a later one of it: their order in the output stream is reversed (the server refused single messages; check its limits; kvmapper verify names them)")
+			Msg("messages of a device were stored after a later one of it: their order in the output stream is reversed (the server refused or lost single messages: its limits, or an output stream whose leader changed; kvmapper verify names them)")
 		s = s[:i]
 	}
 	if f := r.first[streamOf(e)]; !e.duplicate || (f != 0 && e.out >= f) {

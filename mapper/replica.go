@@ -43,8 +43,11 @@ type Config struct {
 	// Setup.Park's limits, or the defaults) and the lanes park devices without a mapping; without
 	// it, a PARKED that exists is still drained (see [New]). Park's Stream and Prefix are set
 	// from Setup's names.
-	Lanes    lanes.Config
-	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
+	Lanes lanes.Config
+	// Election tunes the elector; ReplicaID, Partitions and Logger are set from the rest, and
+	// OnChange is chained. A zero LeaseTTL is chosen from the control bucket's replica count
+	// (election.LeaseTTLFor) and logged.
+	Election election.Config
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
 	Version string
@@ -68,6 +71,8 @@ type Replica struct {
 	id      string
 	log     zerolog.Logger
 	nc      *nats.Conn
+	js      jetstream.JetStream
+	streams []string // every stream and bucket stream the replica uses, for metrics
 	groups  jetstream.KeyValue
 	control jetstream.KeyValue
 	table   *kv.Table
@@ -83,7 +88,34 @@ type Replica struct {
 	events        *status.Events // nil when disabled
 	metricsListen string
 	version       string
+	leaseTTL      time.Duration
 	stopping      atomic.Bool // set when Run's context ends, for /readyz
+}
+
+// leaseTTL returns the lease TTL to run with: ttl when set, else the one for the control
+// bucket's replica count. It logs which, and warns of a TTL a replicated bucket's election
+// outlasts.
+func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration, log zerolog.Logger) (time.Duration, error) {
+	st, err := control.Status(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
+	}
+	replicas := 1
+	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+		replicas = bs.StreamInfo().Config.Replicas
+	}
+	switch {
+	case ttl == 0:
+		ttl = election.LeaseTTLFor(replicas)
+		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).
+			Msg("lease TTL chosen for the control bucket's replicas (--lease-ttl sets it): a replica killed outright has its partitions taken over after about this")
+	case replicas > 1 && ttl < election.ReplicatedLeaseTTL:
+		log.Warn().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Dur("recommended", election.ReplicatedLeaseTTL).
+			Msg("lease TTL below the election time of a replicated control bucket: the death of the NATS server leading it expires every lease, and every partition stops and moves")
+	default:
+		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Msg("lease TTL as configured")
+	}
+	return ttl, nil
 }
 
 // New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
@@ -117,7 +149,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
-	r := &Replica{id: cfg.ID, log: log, nc: js.Conn(), groups: groups, control: control,
+	r := &Replica{id: cfg.ID, log: log, nc: js.Conn(), js: js, groups: groups, control: control,
 		metricsListen: cfg.MetricsListen, version: cfg.Version}
 	tcfg := cfg.Table
 	tcfg.Logger = log.With().Str("component", "kv").Logger()
@@ -136,6 +168,13 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	table, err := kv.New(groups, tcfg)
 	if err != nil {
 		return nil, err
+	}
+	// Every stream and bucket the replica uses, for the replication metrics: in direct mode
+	// there is no INCOMING.
+	names := cfg.Setup.Names.WithDefaults()
+	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
+	if cfg.Setup.Mode == setup.ModeDirect {
+		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
 	lookup := func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
@@ -158,7 +197,6 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg := cfg.Lanes
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
-		names := cfg.Setup.Names.WithDefaults()
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
 		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 			return nil, err
@@ -174,6 +212,10 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}
 	}
 	ecfg := cfg.Election
+	if ecfg.LeaseTTL, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
+		return nil, err
+	}
+	r.leaseTTL = ecfg.LeaseTTL
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = cfg.Lanes.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
@@ -461,8 +503,13 @@ func (r *Replica) report() status.Report {
 	return rep
 }
 
+// streamInfoTimeout bounds each stream info request of a scrape: a replicated stream electing a
+// leader answers nothing for seconds.
+const streamInfoTimeout = time.Second
+
 // metricsSnapshot is the metrics source, read at each scrape. The watch lag costs one request
-// to the server (the groups bucket's status).
+// to the server (the groups bucket's status), the streams' replication one per stream, all at
+// once.
 func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	st := r.pool.Stats()
 	s := metrics.Snapshot{
@@ -473,6 +520,14 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 		TableDevices:  r.table.Len(),
 		TableRevision: r.table.Revision(),
 		WatchLag:      -1,
+		LeaseTTL:      r.leaseTTL,
+	}
+	for _, rep := range status.ReadReplication(ctx, r.js, r.streams, streamInfoTimeout) {
+		st := metrics.Stream{Name: rep.Stream, Replicas: rep.Replicas, Leader: rep.Leader}
+		for _, f := range rep.Followers {
+			st.Followers = append(st.Followers, metrics.Follower{Server: f.Name, Current: f.Current, Lag: f.Lag, SeenAgo: f.SeenAgo})
+		}
+		s.Streams = append(s.Streams, st)
 	}
 	for _, p := range r.pool.Partitions() {
 		s.Partitions = append(s.Partitions, metrics.Partition{
@@ -493,6 +548,10 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	}
 	return s
 }
+
+// LeaseTTL returns the partition lease TTL the replica runs with: as configured, or chosen from
+// the control bucket's replica count.
+func (r *Replica) LeaseTTL() time.Duration { return r.leaseTTL }
 
 // Stats returns the counters of the replica's lanes.
 func (r *Replica) Stats() lanes.Stats { return r.pool.Stats() }

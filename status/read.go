@@ -25,7 +25,8 @@ type ReadConfig struct {
 	// Names are the streams and buckets read (Incoming with its stream layout, Groups,
 	// Control); empty ones get subjects.DefaultNames.
 	subjects.Names
-	// Timeout bounds the wait for the replicas' status replies. Default 1s.
+	// Timeout bounds the wait for the replicas' status replies and for each stream's
+	// replication. Default 1s.
 	Timeout time.Duration
 	// NoStreamLag skips counting lag in INCOMING for partitions whose owner did not report:
 	// the count needs a short-lived consumer per such partition (see [Read]).
@@ -48,7 +49,8 @@ func (c *ReadConfig) setDefaults() error {
 
 // Read assembles a snapshot from NATS alone, so it works from any machine that can reach the
 // servers. It reads the control bucket (leases, members, checkpoints), asks every member for its
-// [Report] on [StatusSubject] at once (waiting up to Timeout), and reads the state of INCOMING
+// [Report] on [StatusSubject] and every stream for its [Replication] at once (waiting up to
+// Timeout), and reads the state of INCOMING
 // (or of every partition stream) and the groups bucket. A partition's lag comes from its owner's report; for a partition whose
 // owner did not report (or that has none) it is counted in INCOMING after its checkpoint, by
 // creating an ephemeral consumer filtered on the partition that starts after the checkpoint and
@@ -74,10 +76,14 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	}
 	snap.At = time.Now()
 
-	// Ask the members, and meanwhile read the stream and bucket states.
+	// Ask the members and the streams' leaders, and meanwhile read the stream and bucket
+	// states.
 	var replies map[string]reply
 	var wg sync.WaitGroup
 	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
+	wg.Go(func() {
+		snap.Replication = ReadReplication(ctx, js, StreamNames(cfg.Names, n), cfg.Timeout)
+	})
 	defer wg.Wait()
 	streams, err := readIncoming(ctx, js, cfg, snap)
 	if err != nil {

@@ -16,6 +16,9 @@ type Snapshot struct {
 	StreamLayout string `json:"stream_layout"`
 	// Streams are the partition streams in partition order; empty in the single-stream layout.
 	Streams []Stream `json:"streams,omitempty"`
+	// Replication is how every stream kvmapper uses is replicated, in [StreamNames] order:
+	// INCOMING (or each partition stream), OUTGOING, UNMAPPED, the groups and control buckets.
+	Replication []Replication `json:"replication"`
 	// Parked describes the PARKED stream; nil when there is none (parking never turned on).
 	Parked *Parked `json:"parked,omitempty"`
 
