@@ -31,6 +31,8 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "unmapped-stream", Value: subjects.DefaultNames.Unmapped, Usage: "stream dead letters go to", EnvVars: env("UNMAPPED_STREAM")},
 		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
 		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
+		&cli.StringFlag{Name: "parked-stream", Value: subjects.DefaultNames.Parked, Usage: "stream parked devices' messages wait in (--on-unmapped park)", EnvVars: env("PARKED_STREAM")},
+		&cli.StringFlag{Name: "parked-prefix", Value: subjects.DefaultNames.ParkedPrefix, Usage: "first token of the parked subjects, <prefix>.<partition>.<device>", EnvVars: env("PARKED_PREFIX")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
 		&cli.StringFlag{Name: "mode", Value: string(setup.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
 			"direct (no INCOMING: each partition's owner receives what devices publish over core NATS and republishes it with the device's reply subject, so the device's PubAck comes from OUTGOING)", EnvVars: env("MODE")},
@@ -43,6 +45,23 @@ func layoutFlags() []cli.Flag {
 func groupsHistoryFlag() cli.Flag {
 	return &cli.IntFlag{Name: "groups-history", Usage: fmt.Sprintf("values per key the groups bucket keeps when setup creates it, 1 to %d: how far back replay --as-of maps every device "+
 		"(default %d; when given, an existing bucket keeping fewer is an error)", setup.MaxGroupsHistory, setup.DefaultGroupsHistory), EnvVars: env("GROUPS_HISTORY")}
+}
+
+// On-unmapped modes: what `run` does with a message of a device that has no group.
+const (
+	onUnmappedDeadLetter = "dead-letter"
+	onUnmappedPark       = "park"
+)
+
+// parkFlags are the parking flags of the commands that run setup; run adds --park-max-age.
+func parkFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "on-unmapped", Value: onUnmappedDeadLetter, Usage: "what a message of a device without a group becomes: dead-letter (to UNMAPPED, reason no-mapping) or " +
+			"park (held in the PARKED stream, with every later message of the device behind it, until the device gets a group; setup creates PARKED)", EnvVars: env("ON_UNMAPPED")},
+		&cli.Int64Flag{Name: "park-max-per-device", Value: setup.DefaultParkMaxPerDevice, Usage: "messages one device may have parked; past it they are dead-lettered as park-full " +
+			"(PARKED's max_msgs_per_subject; when given, an existing PARKED with another limit is an error)", EnvVars: env("PARK_MAX_PER_DEVICE")},
+		&cli.Int64Flag{Name: "park-max-total", Value: setup.DefaultParkMaxTotal, Usage: "messages parked in all; past it they are dead-lettered as park-full (PARKED's max_msgs)", EnvVars: env("PARK_MAX_TOTAL")},
+	}
 }
 
 func logFlags() []cli.Flag {
@@ -120,6 +139,8 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 			Groups:       c.String("groups-bucket"),
 			Control:      c.String("control-bucket"),
 			StreamLayout: sl,
+			Parked:       c.String("parked-stream"),
+			ParkedPrefix: c.String("parked-prefix"),
 		},
 		Replicas: c.Int("stream-replicas"),
 		// Only setup and run have the flag; elsewhere it reads 0, which checks nothing.
@@ -127,6 +148,30 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	}
 	if h := cfg.GroupsHistory; h < 0 || h > setup.MaxGroupsHistory {
 		return setup.Config{}, usagef("invalid value %d for flag --groups-history: a bucket keeps 1 to %d values per key", h, setup.MaxGroupsHistory)
+	}
+	for _, name := range []string{"parked-stream", "parked-prefix"} {
+		if v := c.String(name); strings.ContainsAny(v, " \t\r\n*>") || strings.HasPrefix(v, ".") || strings.HasSuffix(v, ".") || strings.Contains(v, "..") {
+			return setup.Config{}, usagef("invalid value %q for flag --%s: want a name without white space, wildcards or empty tokens", v, name)
+		}
+	}
+	// Only setup and run have the parking flags; elsewhere on-unmapped reads "".
+	switch mode := c.String("on-unmapped"); mode {
+	case "", onUnmappedDeadLetter:
+	case onUnmappedPark:
+		if cfg.Mode == setup.ModeDirect {
+			return setup.Config{}, usagef("--on-unmapped park needs --mode stream: in direct mode no stream holds a device's messages, so nothing can keep the parked ones in order")
+		}
+		per, total := c.Int64("park-max-per-device"), c.Int64("park-max-total")
+		if per < 1 {
+			return setup.Config{}, usagef("invalid value %d for flag --park-max-per-device: at least 1", per)
+		}
+		if total < per {
+			return setup.Config{}, usagef("invalid value %d for flag --park-max-total: at least --park-max-per-device (%d)", total, per)
+		}
+		cfg.Park = &setup.ParkConfig{MaxPerDevice: per, MaxTotal: total,
+			CheckLimits: c.IsSet("park-max-per-device") || c.IsSet("park-max-total")}
+	default:
+		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", mode, onUnmappedDeadLetter, onUnmappedPark)
 	}
 	cfg.Defaults()
 	return cfg, nil

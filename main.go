@@ -96,6 +96,7 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 			verifyCommand(),
 			statusCommand(),
 			replayCommand(),
+			unparkCommand(),
 			benchCommand(),
 			serverCommand(),
 		},

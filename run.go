@@ -44,7 +44,7 @@ func runCommand() *cli.Command {
 			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
 			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together; each partition is guaranteed a quarter of its even share", EnvVars: env("MAX_IN_FLIGHT")},
 			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT_BYTES")},
-			&cli.DurationFlag{Name: "lease-ttl", Value: 2 * time.Second, Usage: "partition lease TTL: a dead replica's partitions move after about this (whole seconds)", EnvVars: env("LEASE_TTL")},
+			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds: a replica killed outright has its partitions moved after about this (default: 2s for a control bucket on one server, 15s for a replicated one, which rides through a NATS server's death)", EnvVars: env("LEASE_TTL")},
 			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
 			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
 			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
@@ -56,7 +56,8 @@ func runCommand() *cli.Command {
 			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
 			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
 			groupsHistoryFlag(),
-		}, layoutFlags(), logFlags()),
+			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)", EnvVars: env("PARK_MAX_AGE")},
+		}, parkFlags(), layoutFlags(), logFlags()),
 		Action: runAction,
 	}
 }
@@ -67,7 +68,7 @@ func setupCommand() *cli.Command {
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
 			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}),
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}, parkFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
@@ -121,8 +122,13 @@ func runAction(c *cli.Context) error {
 			return err
 		}
 	}
-	if err := wholeSeconds(c, "lease-ttl"); err != nil {
-		return err
+	if c.IsSet("lease-ttl") {
+		if err := wholeSeconds(c, "lease-ttl"); err != nil {
+			return err
+		}
+	}
+	if d := c.Duration("park-max-age"); d < 0 {
+		return usagef("invalid value %v for flag --park-max-age: must not be negative (0: never)", d)
 	}
 	if n := c.Int("max-in-flight"); n < lay.Partitions || n > 50_000 {
 		return usagef("invalid value %d for flag --max-in-flight: use %d (one per partition) to 50000 (the server refuses single messages past 100k queued)", n, lay.Partitions)
@@ -188,6 +194,7 @@ func runAction(c *cli.Context) error {
 			PublishTimeout:     c.Duration("publish-timeout"),
 			DrainTimeout:       c.Duration("drain-timeout"),
 			NoProvenance:       c.Bool("no-provenance"),
+			Park:               lanes.ParkConfig{New: scfg.Park != nil, MaxAge: c.Duration("park-max-age")},
 		},
 		Direct: direct.Config{
 			HandoffTimeout: c.Duration("handoff-timeout"),

@@ -33,7 +33,7 @@ func statusCommand() *cli.Command {
 			&cli.BoolFlag{Name: "watch", Aliases: []string{"w"}, Usage: "refresh in place every --interval until interrupted", EnvVars: env("WATCH")},
 			&cli.DurationFlag{Name: "interval", Value: 2 * time.Second, Usage: "refresh interval of --watch", EnvVars: env("INTERVAL")},
 			&cli.DurationFlag{Name: "rate-window", Value: time.Second, Usage: "without --watch: time between the two samples the rate is taken from (0: no rate)", EnvVars: env("RATE_WINDOW")},
-			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report", EnvVars: env("TIMEOUT")},
+			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report and each stream's info", EnvVars: env("TIMEOUT")},
 		}),
 		Action: statusAction,
 	}

@@ -25,7 +25,8 @@ func verifyCommand() *cli.Command {
 		Description: "Reads OUTGOING and UNMAPPED completely (headers only) and checks them against the range INCOMING\n" +
 			"holds when it starts: every INCOMING message is in exactly one of them (no gap, no duplicate), each\n" +
 			"device's messages are in INCOMING order within each stream, and no partition's epoch goes back\n" +
-			"(a deposed owner's write). Exits 0 when all holds, 1 with a report when not. Messages another\n" +
+			"(a deposed owner's write). Messages held in PARKED (--on-unmapped park) count as parked, not\n" +
+			"missing. Exits 0 when all holds, 1 with a report when not. Messages another\n" +
 			"publisher wrote (no kvmapper Nats-Msg-Id) are reported as foreign but do not fail the audit.\n\n" +
 			"   Against a mapper still catching up:  kvmapper verify --wait 30s",
 		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
@@ -134,6 +135,9 @@ func printReport(w io.Writer, rep *audit.Report, names subjects.Names) {
 	var extra string
 	if rep.Foreign > 0 {
 		extra += fmt.Sprintf(" %d foreign messages (no %s:<seq> Nats-Msg-Id) were not judged.", rep.Foreign, in)
+	}
+	if rep.Parked > 0 {
+		extra += fmt.Sprintf(" %d messages are parked in %s (their devices have no group yet): held, not missing.", rep.Parked, names.Parked)
 	}
 	if rep.OutOfRange > 0 {
 		extra += fmt.Sprintf(" %d messages name sequences outside %s's range and were checked for order only.", rep.OutOfRange, in)

@@ -80,6 +80,9 @@ type Report struct {
 	Ranges   []Range `json:"ranges"`
 	Outgoing uint64  `json:"outgoing"` // messages read from OUTGOING
 	Unmapped uint64  `json:"unmapped"` // messages read from UNMAPPED
+	// Parked counts audited messages found in neither output but held in PARKED: their device
+	// has no group yet (kvmapper run --on-unmapped park). They are not missing.
+	Parked uint64 `json:"parked"`
 	// OutOfRange counts messages read whose INCOMING sequence lies outside the audited range
 	// (older than FirstSeq, e.g. trimmed by INCOMING's limits, or newer than LastSeq). They are
 	// checked for order and epoch, but a duplicate among them is found only when it follows the
@@ -107,6 +110,8 @@ func (r *Report) OK() bool {
 // It takes INCOMING's state first (FirstSeq..LastSeq and the deleted sequences), then reads
 // OUTGOING and then UNMAPPED with ordered consumers from their first message up to their last
 // sequence at the time each is opened, headers only. With [Config.Wait] it then follows both.
+// When messages are still missing, it reads PARKED (Names.Parked), if it exists: what it holds is
+// parked, not missing (see [Report].Parked).
 // Memory is one bit per sequence of INCOMING's range (two if it had interior deletes), one
 // entry per device per output and one per partition: about 125 MB per billion INCOMING
 // sequences, independent of message sizes. Run blocks until done and starts no goroutine that
@@ -169,6 +174,10 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	parked, err := a.readParked(ctx, js)
+	if err != nil {
+		return nil, err
+	}
 	if a.cfg.Progress != nil {
 		a.progress(out.unreported+unm.unreported, true)
 	}
@@ -176,6 +185,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	rep := &Report{
 		Outgoing:   out.read,
 		Unmapped:   unm.read,
+		Parked:     parked,
 		OutOfRange: out.outOfRange + unm.outOfRange,
 		Devices:    out.devices(nil) + unm.devices(out),
 	}

@@ -18,13 +18,16 @@ type Config struct {
 	// Partitions is the number of partitions, numbered 0 to Partitions-1. Required, at least 1.
 	Partitions int
 	// LeaseTTL is the per-key TTL of lease.<p>. The server takes whole seconds, at least 1s.
-	// Default 2s.
+	// A replica killed outright has its partitions taken over after about this long. Default
+	// 2s; see [LeaseTTLFor] for a replicated control bucket, which needs more.
 	LeaseTTL time.Duration
 	// RenewInterval is how often leases and the member key are renewed. Default LeaseTTL/4.
 	RenewInterval time.Duration
 	// Margin is the self-fencing safety margin: a lease is valid until the last successful
-	// renewal's send time by Clock + LeaseTTL − Margin. It must be below LeaseTTL − RenewInterval.
-	// Default 250ms.
+	// renewal's send time by Clock + LeaseTTL − Margin. It covers the scheduling of the owner's
+	// timers and, on a cluster, the difference between the servers' wall clocks (each expires
+	// keys by its own). It must be below LeaseTTL − RenewInterval. Default LeaseTTL/15, at least
+	// 250ms: 250ms for 2s, 1s for 15s.
 	Margin time.Duration
 	// Grace is how long a partition may stay unowned before any replica claims it regardless
 	// of its quota (the replicas under quota may be slow, partitioned or failing to run it).
@@ -59,6 +62,52 @@ type Config struct {
 	// bucket (its own and other replicas'), from the goroutine that reads the watch. It must not
 	// block.
 	OnChange func(Change)
+}
+
+// The lease TTLs [LeaseTTLFor] chooses.
+const (
+	// SingleLeaseTTL is the lease TTL for a control bucket kept by one server.
+	SingleLeaseTTL = 2 * time.Second
+	// ReplicatedLeaseTTL is the lease TTL for a replicated control bucket: above the longest a
+	// JetStream cluster takes to elect the bucket's next leader when its leader dies.
+	ReplicatedLeaseTTL = 15 * time.Second
+)
+
+// LeaseTTLFor returns the lease TTL for a control bucket stored in replicas copies.
+//
+// On one server (replicas 1) the bucket is there exactly as long as the server is: 2s, and a
+// replica killed outright has its partitions taken over after about 2s.
+//
+// A replicated bucket is a Raft group. When the server that leads it dies, nothing can be written
+// to it until the others elect a new leader: nats-server 2.15 starts an election when a follower
+// has heard no heartbeat (sent every 1s) for a random 4–9s (raft.go minElectionTimeout,
+// maxElectionTimeout), and a split vote costs another 0.1–0.8s campaign. No lease is renewed
+// meanwhile, and the new leader removes every key whose TTL ran out at once: with a 2s TTL one
+// server's death lost all 16 leases and stopped every partition for 4.5s. 15s keeps every lease
+// through an election that ends within 10s, with 5s to spare for a slow one, so that losing any
+// one server moves no partition; a NATS server restarted for an upgrade hands its leadership
+// over at once and costs nothing either way. The price: a replica killed outright has its
+// partitions taken over after about 15s.
+//
+// Why not faster, with one writer per partition (I3) kept: an owner may go on mapping only
+// while nobody else can claim its partitions, and it must go on mapping through an election of
+// up to 10s during which it cannot reach the bucket. So nobody may claim a partition whose owner
+// has been silent for less than that, and to the bucket a dead owner is silent exactly as an
+// owner that waits for an election is. A faster takeover needs a proof that the owner is dead
+// which also holds when it is alive but cut off from the bucket; NATS offers none (a missing
+// subscription shows as well while a live replica reconnects to another server).
+//
+// I3 on a cluster: an owner stops at the send time of its last acknowledged renewal + LeaseTTL
+// − Margin by its own clock. The renewal was stored at or after it was sent, stamped with the
+// wall clock of the leader that stored it, and the key expires LeaseTTL after that stamp by
+// the wall clock of whichever server leads the bucket then; nobody can claim it before (a claim
+// is a create, refused while the key exists). So the owner stops at least Margin before anyone
+// can claim, as long as the servers' wall clocks agree within Margin (1s with 15s).
+func LeaseTTLFor(replicas int) time.Duration {
+	if replicas > 1 {
+		return ReplicatedLeaseTTL
+	}
+	return SingleLeaseTTL
 }
 
 // Change is one ownership change of a partition, as observed by this replica's watch.
@@ -103,7 +152,7 @@ func (cfg Config) withDefaults() (Config, error) {
 		return bad("renew interval %v must be in (0, lease ttl %v)", cfg.RenewInterval, cfg.LeaseTTL)
 	}
 	if cfg.Margin == 0 {
-		cfg.Margin = 250 * time.Millisecond
+		cfg.Margin = max(250*time.Millisecond, cfg.LeaseTTL/15)
 	}
 	if cfg.Margin < 0 || cfg.Margin >= cfg.LeaseTTL-cfg.RenewInterval {
 		return bad("margin %v must be in [0, lease ttl − renew interval = %v)", cfg.Margin, cfg.LeaseTTL-cfg.RenewInterval)

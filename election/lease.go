@@ -79,8 +79,12 @@ type holder struct {
 	lease   *Lease
 	key     string
 	subject string
-	rev     uint64        // latest revision of the lease key, for compare-and-set
-	release chan struct{} // closed by the Elector's loop to ask for a handover
+	rev     uint64 // latest revision of the lease key, for compare-and-set
+	// pending says a renewal expecting rev has been sent, first at pendingSince by the lease
+	// clock: a renewal adopt finds stored at a later revision was one of those, sent no earlier.
+	pending      bool
+	pendingSince time.Duration
+	release      chan struct{} // closed by the Elector's loop to ask for a handover
 	// releasing is set by the Elector's loop when it closes release; only the loop uses it.
 	releasing bool
 	// keepUntil, set for partitions claimed past Grace against their rank, delays handing them
@@ -197,7 +201,7 @@ const epochHeader = "Kvmapper-Lease-Epoch"
 // another error, and the lease holds until the next renewal or its clock says otherwise.
 func (h *holder) renew() error {
 	e, l := h.e, h.lease
-	timeout := min(l.remaining(), e.cfg.RenewInterval)
+	timeout := min(l.remaining(), renewalTimeout(e.cfg))
 	if timeout <= 0 {
 		return nil // the caller sees !Valid and fences
 	}
@@ -215,10 +219,18 @@ func (h *holder) renew() error {
 	if err != nil {
 		return err
 	}
-	h.rev = ack.Sequence
+	h.rev, h.pending = ack.Sequence, false
 	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
 	e.log.Debug().Int("partition", l.Partition).Uint64("revision", ack.Sequence).Msg("lease renewed")
 	return nil
+}
+
+// renewalTimeout is how long a renewal waits for its answer: until the next is due, or a fifth
+// of the TTL when that is longer. A long TTL leaves the time to wait for a server that answers
+// slowly (a replicated bucket under load, or just after electing its leader), instead of
+// sending renewal after renewal that the server refuses while the first is still in process.
+func renewalTimeout(cfg Config) time.Duration {
+	return max(cfg.RenewInterval, cfg.LeaseTTL/5)
 }
 
 // publishRenewal sends one renewal on the holder's revision and returns its send time by the
@@ -229,6 +241,9 @@ func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.
 	msg.Data = []byte(e.cfg.ReplicaID)
 	msg.Header.Set(epochHeader, strconv.FormatUint(h.lease.Epoch, 10))
 	sent := e.cfg.Clock()
+	if !h.pending {
+		h.pending, h.pendingSince = true, sent
+	}
 	ack, err := e.js.PublishMsg(ctx, msg,
 		jetstream.WithMsgTTL(e.cfg.LeaseTTL),
 		jetstream.WithExpectLastSequencePerSubject(h.rev))
@@ -240,7 +255,9 @@ func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.
 // holder a revision behind, and its next renewal or its release would fail. If the lease still
 // holds by the holder's clock and the stored lease is a renewal of this very claim (this
 // replica's id as the value, the claim's epoch in its header, a revision past the holder's), the
-// holder takes that revision as its own and adopt reports true. Anything else stored (a delete,
+// holder takes that revision as its own and adopt reports true. That renewal extends the lease
+// too: it was one the holder sent expecting its revision (the server applies no other), so at
+// or after the first of those (pendingSince), and the server's TTL runs from no earlier. Anything else stored (a delete,
 // an expiry marker, another replica's claim, a claim by another process with the same id) means
 // the lease is lost, and adopt reports false. It reads the lease from the bucket's leader: a
 // replica that has not applied the latest renewal yet would show an older revision, and a live
@@ -264,7 +281,10 @@ func (h *holder) adopt(ctx context.Context) (bool, error) {
 	}
 	e.log.Info().Int("partition", l.Partition).Uint64("epoch", l.Epoch).Uint64("revision", m.Sequence).
 		Uint64("expected", h.rev).Msg("adopting a lease renewal whose answer was lost")
-	h.rev = m.Sequence
+	if h.pending {
+		l.extend(h.pendingSince, e.cfg.LeaseTTL-e.cfg.Margin)
+	}
+	h.rev, h.pending = m.Sequence, false
 	return true, nil
 }
 

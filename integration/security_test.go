@@ -66,6 +66,8 @@ var (
 	statusGrants = grants{
 		Publish: []string{
 			"$JS.API.STREAM.INFO.INCOMING", "$JS.API.STREAM.INFO.KV_device-groups", "$JS.API.STREAM.INFO.KV_kvmapper",
+			// each stream's leader and followers
+			"$JS.API.STREAM.INFO.OUTGOING", "$JS.API.STREAM.INFO.UNMAPPED",
 			"$JS.API.CONSUMER.CREATE.KV_kvmapper.>", "$JS.API.CONSUMER.DELETE.KV_kvmapper.*", "$JS.FC.KV_kvmapper.>",
 			// lag of a partition whose owner does not answer: a consumer's pending count
 			"$JS.API.CONSUMER.CREATE.INCOMING.>", "$JS.API.CONSUMER.DELETE.INCOMING.*",

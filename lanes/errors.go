@@ -20,12 +20,16 @@ const (
 	ReasonMalformedSubject = "malformed-subject" // the stored subject does not fit the in template
 	ReasonOversized        = "oversized"         // OUTGOING (or the connection) refused the message's size
 	ReasonRejected         = "rejected"          // OUTGOING refused the message for another permanent reason
+	ReasonParkFull         = "park-full"         // PARKED refused it: its device, or the whole stream, at its limit
+	ReasonParkExpired      = "park-expired"      // parked longer than the maximum age
+	ReasonParkDropped      = "park-dropped"      // dropped from the park by hand (kvmapper unpark --drop)
 	// ReasonDropped is never on a message: it marks one UNMAPPED refused even stripped.
 	ReasonDropped = "dropped"
 )
 
 // Reasons are the reasons a message can carry in [HeaderReason], in the order above.
-var Reasons = []string{ReasonNoMapping, ReasonInvalidGroup, ReasonMalformedSubject, ReasonOversized, ReasonRejected}
+var Reasons = []string{ReasonNoMapping, ReasonInvalidGroup, ReasonMalformedSubject, ReasonOversized, ReasonRejected,
+	ReasonParkFull, ReasonParkExpired, ReasonParkDropped}
 
 // Headers kvmapper sets on the messages it publishes.
 const (

@@ -179,17 +179,18 @@ func TestIdleLaneMapsAtOnce(t *testing.T) {
 	t.Logf("the second message after an idle spell was mapped in %v", time.Since(start))
 }
 
-// When a lane's consumer goes (deleted, lost with its server, or fails in any way), the lane reads
-// on through a new consumer under a new name, from the message after the last it handed on. A
-// new name matters on a cluster: a consumer created within seconds of a server's crash can be
-// placed on that server, and a create under that name would then wait for an answer that never
-// comes (nats.go's ordered consumer retries one name for ever by default).
-func TestConsumerGoneStartsANewConsumer(t *testing.T) {
+// A lane whose consumer is gone creates another, under a new name, from the message after the
+// last it handed on. On a cluster, a consumer created within seconds of a server's crash can be
+// placed on that server, and its creation is never answered. Here the creations go unanswered for
+// 3s: the lane must give each up after a short while and try again, so that it reads on soon
+// after they are answered again, not after a 10s timeout of nats.go's ordered consumer (which
+// retries one name for ever), and its new consumer must have a new name.
+func TestUnansweredConsumerCreationIsRetried(t *testing.T) {
 	f := newFixture(t)
 	dev := "dev-1"
 	p := subjects.Partition(dev, 16)
 	f.groups.set(dev, "g")
-	pool := f.newPool(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond})
+	pool, drop := f.droppingPool(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond})
 	runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1})
 	f.publish([]string{dev}, 1, nil)
 	f.read("OUTGOING", 1)
@@ -210,13 +211,29 @@ func TestConsumerGoneStartsANewConsumer(t *testing.T) {
 	if len(first) != 1 {
 		t.Fatalf("INCOMING's consumers are %q, want the lane's one", first)
 	}
+	drop.Drop("$JS.API.CONSUMER.CREATE.")
 	if err := s.DeleteConsumer(ctx, first[0]); err != nil {
 		t.Fatal(err)
 	}
 	f.publishFrom([]string{dev}, 1, 1, nil)
-	f.waitOrDump(pool, "OUTGOING", 2, 15*time.Second)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if drop.Dropped() == 0 {
+			return errors.New("the lane has not tried to create a consumer yet")
+		}
+		return nil
+	})
+	// The scenario, not a synchronisation: creations go unanswered for a while.
+	unanswered := time.NewTimer(3 * time.Second)
+	<-unanswered.C
+	drop.Drop("")
+	answered := time.Now()
+	f.waitOrDump(pool, "OUTGOING", 2, 30*time.Second)
+	if took := time.Since(answered); took > 5*time.Second {
+		t.Errorf("the lane read on %v after its consumer creations were answered again, want within a few seconds", took)
+	}
 	checkOrder(t, f.read("OUTGOING", 2), []string{dev}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
 	if now := names(); len(now) != 1 || now[0] == first[0] {
 		t.Fatalf("INCOMING's consumers are %q after %q was deleted, want one under a new name", now, first[0])
 	}
+	t.Logf("%d consumer creations unanswered; read on %v after they were answered again", drop.Dropped(), time.Since(answered))
 }

@@ -31,6 +31,7 @@ type entry struct {
 	reason   string        // non-empty when msg is a dead letter
 	device   string        // the device, for the reorder check (a substring of the INCOMING subject)
 	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
+	parked   bool          // built as a park (see park.go): to PARKED unless reason is set
 	gen      uint64        // connection generation (reconnect count) when last sent
 	sent     time.Time     // when last sent, for the acknowledgement timeout
 	cost     int64         // bytes it holds of the pool's window: its size on the wire when admitted
@@ -119,6 +120,8 @@ type lane struct {
 
 	handoff handoff // bounds the bytes the reader has handed on and the lane not yet taken
 
+	park *parking // its parked devices (see park.go); nil when parking is off
+
 	stats laneStats // read by Pool.Partitions from other goroutines
 
 	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
@@ -145,6 +148,7 @@ func newLane(p *Pool, a Assignment) *lane {
 		clock:    leaseClock{valid: a.Valid},
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
+		park:     newParking(&p.cfg.Park),
 	}
 }
 
@@ -175,6 +179,14 @@ func (l *lane) run(ctx context.Context) error {
 		return err
 	}
 	defer unsubscribe()
+	stopParking, err := l.startParking(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	defer stopParking()
 	l.log.Debug().Uint64("from", start+1).Msg("lane started")
 
 	l.readErr = make(chan error, 1)
@@ -231,6 +243,9 @@ func (l *lane) run(ctx context.Context) error {
 		default:
 			inc = in
 		}
+		if l.parkHeld() {
+			wake = l.grant.wake
+		}
 		select {
 		case <-ctx.Done():
 			stopReading()
@@ -241,6 +256,9 @@ func (l *lane) run(ctx context.Context) error {
 			stopReading()
 			return l.stop(err)
 		case <-wake:
+			l.parkStep(ctx)
+		case ev := <-l.parkEvents():
+			l.parkEvent(ctx, ev)
 		case m := <-l.acks:
 			l.acknowledge(m)
 			l.drainAcks(burst - 1)
@@ -253,6 +271,7 @@ func (l *lane) run(ctx context.Context) error {
 			l.drainAcks(-1)
 			l.expire(now)
 			l.startCheckpoint()
+			l.parkTick(ctx, now)
 		}
 	}
 }
@@ -326,12 +345,16 @@ func (l *lane) popSettled() {
 		l.stats.acked.Store(e.seq)
 		l.stats.inFlight.Store(int64(len(l.q)))
 		l.observe(e)
+		if e.parked {
+			l.parkSettled(e)
+		}
 		switch {
 		case e.duplicate:
 			l.p.duplicates.Add(1)
 		case e.reason == ReasonDropped:
 		case e.reason != "":
 			l.p.countUnmapped(e.reason)
+		case e.parked: // counted by parkSettled
 		default:
 			l.p.mapped.Add(1)
 		}
@@ -402,6 +425,7 @@ func (l *lane) stop(why error) error {
 		bytes += e.cost
 	}
 	l.p.window.give(&l.grant, int64(len(l.q)), bytes)
+	l.stopParking(ctx, why)
 	left := len(l.q)
 	l.q, l.held = nil, nil
 	l.stats.inFlight.Store(0)
@@ -450,6 +474,10 @@ func (l *lane) build(e *entry, d delivery) {
 	}
 	e.device = l.fields.Device()
 	group, rev, reason := l.p.lookup(e.device)
+	if l.park != nil && l.park.parks(e.device, reason) {
+		l.parkEntry(e, d, hdr)
+		return
+	}
 	if reason != "" {
 		e.reason = reason
 		from = len(e.text)

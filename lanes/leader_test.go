@@ -25,9 +25,10 @@ func (f *fixture) publishPaced(device string, from, n int, gap time.Duration) {
 	}
 }
 
-// A stream silent for 2s, while its device keeps publishing, then back: what was sent into the
-// silence must be stored before anything sent after it, although the publish timeout (5s) is
-// far from over when the stream is back.
+// A stream silent for 3.5s, while its device keeps publishing, then back (on a cluster a new
+// leader comes 3s after the old one's death at the earliest): what was sent into the silence
+// must be stored before anything sent after it, although the publish timeout (5s) is not over
+// when the stream is back.
 func TestSilentStreamKeepsOrder(t *testing.T) {
 	f := newFixture(t)
 	dev := "dev-1"
@@ -38,11 +39,11 @@ func TestSilentStreamKeepsOrder(t *testing.T) {
 	f.read("OUTGOING", 1)
 
 	drop.Drop("outgoing.")
-	f.publishPaced(dev, 1, 20, 100*time.Millisecond) // 2s of silence
+	f.publishPaced(dev, 1, 35, 100*time.Millisecond) // 3.5s of silence
 	drop.Drop("")
-	f.publishPaced(dev, 21, 20, 50*time.Millisecond) // and 1s after it, well within the timeout
-	f.waitOrDump(pool, "OUTGOING", 41, 30*time.Second)
-	checkOrder(t, f.read("OUTGOING", 41), []string{dev}, 41, func(string) string { return "outgoing.g.dev-1.evt" })
+	f.publishPaced(dev, 36, 20, 50*time.Millisecond) // and 1s after it, within the timeout
+	f.waitOrDump(pool, "OUTGOING", 56, 30*time.Second)
+	checkOrder(t, f.read("OUTGOING", 56), []string{dev}, 56, func(string) string { return "outgoing.g.dev-1.evt" })
 	if st := pool.Stats(); st.Reorders != 0 {
 		t.Errorf("Stats() = %+v, want no reorder", st)
 	}

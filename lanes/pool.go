@@ -59,9 +59,12 @@ type Config struct {
 	PublishTimeout time.Duration
 	// StallTimeout is how long a lane waits with publishes in flight and no answer at all from
 	// the server before it takes every publish in flight for lost and resends them in order,
-	// first one alone. A stream whose leader died answers nothing until it has a new one (4–9 s
-	// on a cluster) and then stores whatever comes next: without this, what the lane sent after
-	// the lost messages would be stored first. Default 1s; negative turns it off.
+	// first one alone. A stream whose leader died answers nothing until it has a new one and then
+	// stores whatever comes next: without this, what the lane sent after the lost messages would
+	// be stored first. nats-server 2.15 elects the new leader at the earliest 3s after the old
+	// one's death (a 4–9s election timeout from a heartbeat at most 1s old), so the lane stops
+	// sending before. Default 2s, which a healthy but loaded cluster seldom outlasts; negative
+	// turns it off.
 	StallTimeout time.Duration
 	// DrainTimeout bounds how long a stopping lane waits for its in-flight publishes. Default 10s.
 	DrainTimeout time.Duration
@@ -91,6 +94,9 @@ type Config struct {
 	IncarnationCheck time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
+	// Park holds devices without a mapping in the PARKED stream until they get one (see
+	// [ParkConfig]); its zero value turns parking off.
+	Park ParkConfig
 	// Logger receives structured logs. Default: none.
 	Logger zerolog.Logger
 }
@@ -123,7 +129,7 @@ func (c *Config) setDefaults() error {
 		c.PublishTimeout = 5 * time.Second
 	}
 	if c.StallTimeout == 0 {
-		c.StallTimeout = time.Second
+		c.StallTimeout = 2 * time.Second
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = 10 * time.Second
@@ -142,6 +148,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = 50 * time.Millisecond
+	}
+	if err := c.Park.setDefaults(); err != nil {
+		return err
 	}
 	if c.MaxRetryBackoff == 0 {
 		c.MaxRetryBackoff = 2 * time.Second
@@ -171,6 +180,12 @@ type Stats struct {
 	InFlight   int               // publishes awaiting acknowledgement now
 	// InFlightBytes is the size on the wire of the publishes awaiting acknowledgement now.
 	InFlightBytes int64
+	// Parked counts messages PARKED stored; Released those of them republished to OUTGOING
+	// (also counted in Mapped). Dead letters from the park count in Unmapped by reason.
+	Parked, Released uint64
+	// ParkedDevices and ParkedMessages are what the running lanes hold parked now, as far as
+	// they know (PARKED itself is the record: see package status).
+	ParkedDevices, ParkedMessages int64
 }
 
 // Pool runs lanes: one per owned partition, sharing one bound on the publishes in flight, in
@@ -194,6 +209,7 @@ type Pool struct {
 
 	mapped, duplicates, retries, failures atomic.Uint64
 	dropped, reorders                     atomic.Uint64
+	parked, released                      atomic.Uint64
 	unmappedMu                            sync.Mutex
 	unmapped                              map[string]uint64
 
@@ -254,6 +270,8 @@ type PartitionStats struct {
 	Checkpoint uint64 // last sequence written to checkpoint.<p>
 	Pending    uint64 // messages of the partition in INCOMING not yet delivered to the lane
 	InFlight   int    // publishes awaiting acknowledgement
+	// ParkedDevices and ParkedMessages are what the lane holds parked now, as far as it knows.
+	ParkedDevices, ParkedMessages int64
 }
 
 // Lag is how many messages of the partition are not yet acknowledged by OUTGOING or UNMAPPED.
@@ -272,6 +290,9 @@ func (p *Pool) Partitions() []PartitionStats {
 			Pending:    l.stats.pending.Load(),
 			InFlight:   int(l.stats.inFlight.Load()),
 		})
+		if l.park != nil {
+			out[len(out)-1].ParkedDevices, out[len(out)-1].ParkedMessages = l.park.nDevices.Load(), l.park.nMsgs.Load()
+		}
 	}
 	p.lanesMu.Unlock()
 	slices.SortFunc(out, func(a, b PartitionStats) int { return a.Partition - b.Partition })
@@ -304,8 +325,18 @@ func (p *Pool) Stats() Stats {
 		Failures:   p.failures.Load(),
 		Dropped:    p.dropped.Load(),
 		Reorders:   p.reorders.Load(),
+		Parked:     p.parked.Load(),
+		Released:   p.released.Load(),
 		Unmapped:   make(map[string]uint64),
 	}
+	p.lanesMu.Lock()
+	for l := range p.lanes {
+		if l.park != nil {
+			s.ParkedDevices += l.park.nDevices.Load()
+			s.ParkedMessages += l.park.nMsgs.Load()
+		}
+	}
+	p.lanesMu.Unlock()
 	msgs, bytes := p.window.inFlight()
 	s.InFlight, s.InFlightBytes = int(msgs), bytes
 	p.unmappedMu.Lock()

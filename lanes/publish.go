@@ -23,8 +23,10 @@ import (
 var (
 	// errAckTimeout marks a publish whose acknowledgement did not come within PublishTimeout.
 	errAckTimeout = errors.New("lanes: no acknowledgement within the publish timeout")
-	// errNoStream marks a publish no stream took: OUTGOING or UNMAPPED does not exist.
-	errNoStream = errors.New("lanes: no stream captures the subject (does OUTGOING/UNMAPPED exist? run kvmapper setup)")
+	// errNoStream marks a publish nothing answered at once ("no responders"): no stream
+	// captures the subject, or the stream that does has no leader (on a cluster, while it
+	// elects one).
+	errNoStream = errors.New("lanes: no stream took the message: OUTGOING or UNMAPPED does not exist (run kvmapper setup) or, on a cluster, is electing its leader")
 	// errBadAck marks an acknowledgement the lane cannot read.
 	errBadAck = errors.New("lanes: unreadable acknowledgement")
 	// errStalled marks a publish in flight when the server had answered nothing for
@@ -98,6 +100,12 @@ func (l *lane) acknowledge(m *nats.Msg) {
 		return
 	}
 	e.duplicate, e.out, e.err = parseAck(m)
+	if inProcess(e.err) {
+		// A resend of a message whose first publish the stream is still storing: that one's
+		// answer comes to the same reply subject and settles it.
+		e.err = nil
+		return
+	}
 	if e.err != nil {
 		l.failed = true
 		return
@@ -273,4 +281,17 @@ func afterKey(b, key []byte) int {
 	for i += len(key); i < len(b) && (b[i] == ':' || b[i] == ' '); i++ {
 	}
 	return i
+}
+
+// errCodeDuplicateInProcess is nats-server's JSStreamDuplicateMessageConflict, "duplicate
+// message id is in process", which nats.go has no constant for: the stream is storing a message
+// with the same Nats-Msg-Id (a publish whose answer the lane stopped waiting for) and has not
+// finished.
+const errCodeDuplicateInProcess jetstream.ErrorCode = 10158
+
+// inProcess tells the answer to a publish whose message the stream is already storing under an
+// earlier publish (see [errCodeDuplicateInProcess]).
+func inProcess(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeDuplicateInProcess
 }

@@ -20,22 +20,35 @@ import (
 // read consumes the lane's partition from its stream (INCOMING filtered, or INCOMING-<p>) in
 // stream order, starting at sequence next, and hands each message to out until ctx is done. It
 // reads through one consumer at a time (see [lane.consume]), each from the sequence after the
-// last it handed on; when one fails — a gap, a missed heartbeat, a consumer deleted, a
-// reconnect that lost it, a refused request — it creates the next at once, and after a failure
-// that read nothing since the one before, with backoff and a warning.
+// last it handed on; when one fails — a gap, a missed heartbeat (its server died), a consumer
+// deleted, a reconnect that lost it, a refused request, a creation nobody answered — it creates
+// the next at once, and after a failure that read nothing since the one before, with backoff and
+// a warning.
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
+	create, timeouts := consumerCreateTimeout, 0
 	var failed time.Time // when the last consumer failed
 	for ctx.Err() == nil {
 		from := next
-		err := l.consume(ctx, &next, out)
+		err := l.consume(ctx, &next, out, create)
+		switch {
+		case errors.Is(err, errCreateTimedOut):
+			// One lost creation is a dead server's; more in a row, a cluster slow to answer,
+			// which is not to be asked ever faster: from the second on, each waits twice as
+			// long, up to maxConsumerCreateTimeout.
+			if timeouts++; timeouts > 1 {
+				create = min(2*create, maxConsumerCreateTimeout)
+			}
+		case err == nil || next != from:
+			create, timeouts = consumerCreateTimeout, 0
+		}
 		if ctx.Err() != nil {
 			return
 		}
 		if errors.Is(err, ErrIncomingRecreated) {
 			select {
 			case l.readErr <- err: // the lane stops on it
-			default: // watchIncarnation reported it first
+			case <-ctx.Done():
 			}
 			return
 		}
@@ -50,7 +63,7 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		failed = now
 		l.p.warn("consume", func(e *zerolog.Event) {
 			e.Int("partition", l.a.Partition).Err(err).Uint64("next", next).
-				Str("stream", l.stream).Msg("consuming INCOMING failed; retrying (check that the stream exists: kvmapper setup)")
+				Str("stream", l.stream).Msg("consuming INCOMING failed; retrying (on a cluster this is expected for a few seconds after a server died; if it persists, check that the stream exists: kvmapper setup)")
 		})
 		t := time.NewTimer(backoff)
 		select {
@@ -67,6 +80,33 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 // slow subscription), which the next consumer reads again.
 var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 
+// consumerCreateTimeout bounds the creation of a lane's consumer at first. On a cluster, the
+// meta leader takes a crashed server for offline only once its heartbeats have been missing for
+// minutes (nats-server 2.15 events.go, orphMax = 5 × 30s), and may place a consumer created
+// meanwhile on that server, which never answers: the lane gives up on it after this and creates
+// another, under another name, placed again. From the second creation in a row that times out,
+// each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
+// answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by
+// default, retries the same name for ever.)
+const (
+	consumerCreateTimeout    = 2 * time.Second
+	maxConsumerCreateTimeout = 10 * time.Second
+)
+
+// errCreateTimedOut reports a consumer creation that got no answer in time.
+var errCreateTimedOut = errors.New("lanes: no answer to the creation of a consumer")
+
+// resetAttempts is how many times an ordered consumer (a parked device's drain reads through
+// one) tries to recreate itself after a reset before its iterator fails. nats.go's default is
+// for ever, under one name: on a cluster, a consumer recreated within seconds of a server's
+// crash can be placed on that server (see consumerCreateTimeout), and every attempt at that
+// name then waits for an answer that never comes. A new ordered consumer has a new name.
+const resetAttempts = 1
+
+// consumerInactive is how long the server keeps a lane's consumer that nobody reads, when the
+// lane could not delete it (its process died).
+const consumerInactive = time.Minute
+
 // consume creates one consumer on the lane's stream from *next on — ephemeral, unacknowledged,
 // in memory, one replica, as nats.go's ordered consumer makes them — reads it and hands its
 // messages to out, in order, until ctx is done (it returns nil) or the consumer fails (it
@@ -76,9 +116,9 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // ordered consumer recreates itself while a callback of the consumer it replaces may still be
 // waiting for the hand-off, and a later message of the new one can then overtake it.) Every
 // consumer has a name of its own: on a cluster, a consumer created within seconds of a server's
-// crash can be placed on that server (the meta leader takes a crashed server for offline only
-// once its heartbeats have been missing for minutes: nats-server 2.15 events.go, orphMax = 5 ×
-// 30s), and a create under a name placed there waits for an answer that never comes.
+// crash can be placed on that server (see [consumerCreateTimeout]), and a create under a name
+// placed there waits for an answer that never comes; the creation gives up after
+// createTimeout.
 //
 // The messages come to a Consume callback on the subscription's own goroutine, which blocks
 // while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
@@ -86,23 +126,31 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // one request's worth, PullBatch messages and pullBytes bytes. A callback costs one allocation
 // per message where the iterator's Next cost five (its options, a heartbeat monitor, its timer
 // and closure, the message wrapper: BENCHMARKS-fastbatch.md, section 3).
-func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) error {
+func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, createTimeout time.Duration) error {
 	cfg := jetstream.ConsumerConfig{
-		Name:              strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix),
+		// kvmapper_<p>_<random>: the partition shows in `nats consumer ls`.
+		Name:              "kvmapper_" + strconv.Itoa(l.a.Partition) + "_" + strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix),
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:       *next,
 		AckPolicy:         jetstream.AckNonePolicy,
-		InactiveThreshold: 5 * time.Minute,
+		InactiveThreshold: consumerInactive,
 		Replicas:          1,
 		MemoryStorage:     true,
 		// One filter subject: a filtered read walks the stream, and more filters cost more.
 		FilterSubject: l.filter,
 	}
-	cons, err := l.p.js.CreateConsumer(ctx, l.stream, cfg)
-	if err != nil {
-		return err
-	}
+	cctx, cancel := context.WithTimeout(ctx, createTimeout)
+	cons, err := l.p.js.CreateConsumer(cctx, l.stream, cfg)
+	timedOut := cctx.Err() != nil && ctx.Err() == nil
+	cancel()
+	// Also when the create timed out: it may have been applied after all.
 	defer l.deleteConsumer(cfg.Name)
+	if err != nil && timedOut {
+		return fmt.Errorf("%w on %s within %v: %w", errCreateTimedOut, l.stream, createTimeout, err)
+	}
+	if err != nil {
+		return fmt.Errorf("creating a consumer on %s: %w", l.stream, err)
+	}
 	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
 	r.ctx, r.cancel = context.WithCancel(ctx)
 	defer r.cancel()
@@ -127,7 +175,7 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery) e
 // deleteConsumer deletes a consumer consume is done with, rather than leave it on the server
 // until its inactive threshold. It does not matter when it fails: the server removes it then.
 func (l *lane) deleteConsumer(name string) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), consumerCreateTimeout)
 	defer cancel()
 	_ = l.p.js.DeleteConsumer(ctx, l.stream, name)
 }

@@ -51,7 +51,7 @@ func (l *lane) recover(ctx context.Context) error {
 	}
 	l.p.warn("publish", func(ev *zerolog.Event) {
 		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
-			Msg("publish failed; resending in order (if this persists, check that the OUTGOING and UNMAPPED streams exist and the server is reachable)")
+			Msg("publish failed; resending in order (on a cluster this is expected for a few seconds while a stream elects its leader; if it persists, check that the OUTGOING and UNMAPPED streams exist and the servers are reachable)")
 	})
 	t := time.NewTimer(l.backoff)
 	select {
@@ -78,7 +78,7 @@ func (l *lane) recover(ctx context.Context) error {
 			l.expire(time.Now())
 			break
 		}
-		if reason, why := permanent(e.err); reason != "" {
+		if reason, why := l.refusal(e); reason != "" {
 			if !l.refused(e, reason, why) {
 				continue // given up: counted and logged
 			}
@@ -137,7 +137,7 @@ func (l *lane) refused(e *entry, reason, why string) bool {
 	case e.reason == "":
 		l.p.warn("refused", func(ev *zerolog.Event) {
 			ev.Int("partition", l.a.Partition).Uint64("seq", e.seq).Str("reason", reason).Str("error", why).
-				Msg("OUTGOING refused a message for good; dead-lettered to UNMAPPED")
+				Msg("OUTGOING (or PARKED, for a park) refused a message for good; dead-lettered to UNMAPPED")
 		})
 		l.redirect(e, reason, why)
 	case !e.stripped:

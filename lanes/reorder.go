@@ -20,7 +20,7 @@ const maxWindow = 50_000
 // reorderKey names a device's messages in one output stream.
 type reorderKey struct {
 	device string
-	dead   bool // UNMAPPED rather than OUTGOING
+	stream int // streamOf: OUTGOING, UNMAPPED or PARKED
 }
 
 // reorders looks, while a message could still have been stored before an earlier one of its
@@ -29,11 +29,11 @@ type reorderKey struct {
 // them with no failure in between, is stored after them. So it looks after resends and after a
 // takeover, and keeps nothing the rest of the time.
 type reorders struct {
-	// first is the lowest stream sequence each output stream (OUTGOING, UNMAPPED) acknowledged
+	// first is the lowest stream sequence each output stream (OUTGOING, UNMAPPED, PARKED) acknowledged
 	// to this lane as new, 0 before any. Earlier owners stored everything of theirs before this
 	// lane stored anything (they stop before their lease ends, and this lane claimed it after),
 	// so a duplicate at or past first is a message this lane stored: its first answer was lost.
-	first [2]uint64
+	first [3]uint64
 	// takeover counts the messages still to look at after the lane's first new store: an
 	// earlier owner may have stored messages past a refused one, at most a window (maxWindow)
 	// past its acknowledged prefix, and everything before this lane's first new store is in
@@ -48,10 +48,13 @@ type reorders struct {
 	stored map[reorderKey][]uint64
 }
 
-// streamOf is the index of e's output stream in reorders.first.
+// streamOf is the index of e's output stream in reorders.first: OUTGOING, UNMAPPED, PARKED.
 func streamOf(e *entry) int {
-	if e.reason != "" {
+	switch {
+	case e.reason != "":
 		return 1
+	case e.parked:
+		return 2
 	}
 	return 0
 }
@@ -81,7 +84,7 @@ func (l *lane) observe(e *entry) {
 	if e.device == "" || e.out == 0 {
 		return // no device to keep in order (a malformed subject), or given up on (dropped)
 	}
-	k := reorderKey{device: e.device, dead: e.reason != ""}
+	k := reorderKey{device: e.device, stream: streamOf(e)}
 	s := r.stored[k]
 	i := len(s)
 	for i > 0 && s[i-1] > e.out {
@@ -91,7 +94,7 @@ func (l *lane) observe(e *entry) {
 	if n > 0 {
 		l.p.reorders.Add(uint64(n))
 		l.log.Error().Str("device", e.device).Uint64("seq", e.seq).Uint64("stored_at", e.out).Int("stored_after", n).
-			Msg("messages of a device were stored after a later one of it: their order in the output stream is reversed (the server refused single messages; check its limits; kvmapper verify names them)")
+			Msg("messages of a device were stored after a later one of it: their order in the output stream is reversed (the server refused or lost single messages: its limits, or an output stream whose leader changed; kvmapper verify names them)")
 		s = s[:i]
 	}
 	if f := r.first[streamOf(e)]; !e.duplicate || (f != 0 && e.out >= f) {

@@ -37,9 +37,17 @@ type Config struct {
 	Setup setup.Config
 	// Table tunes the groups table; its Logger is set from Logger and OnUpdate is chained
 	// after the replica's own.
-	Table    kv.Config
-	Lanes    lanes.Config    // Layout is required; Incoming, StreamLayout and Logger are set from Setup and Logger
-	Election election.Config // ReplicaID, Partitions and Logger are set from the rest; OnChange is chained
+	Table kv.Config
+	// Lanes tunes the lanes: Layout is required; Incoming, StreamLayout and Logger are set from
+	// Setup and Logger. With Lanes.Park.New (--on-unmapped park) setup creates PARKED (with
+	// Setup.Park's limits, or the defaults) and the lanes park devices without a mapping; without
+	// it, a PARKED that exists is still drained (see [New]). Park's Stream and Prefix are set
+	// from Setup's names.
+	Lanes lanes.Config
+	// Election tunes the elector; ReplicaID, Partitions and Logger are set from the rest, and
+	// OnChange is chained. A zero LeaseTTL is chosen from the control bucket's replica count
+	// (election.LeaseTTLFor) and logged.
+	Election election.Config
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
 	Version string
@@ -63,11 +71,14 @@ type Replica struct {
 	id      string
 	log     zerolog.Logger
 	nc      *nats.Conn
+	js      jetstream.JetStream
+	streams []string // every stream and bucket stream the replica uses, for metrics
 	groups  jetstream.KeyValue
 	control jetstream.KeyValue
 	table   *kv.Table
-	pool    engine       // the lanes, or in direct mode the direct pool
-	direct  *direct.Pool // direct mode only
+	pool    engine              // the lanes, or in direct mode the direct pool
+	direct  *direct.Pool        // direct mode only
+	release func(device string) // the lanes' Pool.Release; nil in direct mode
 	elector *election.Elector
 
 	// Observation: metrics always (cheap; served only with MetricsListen), the micro status
@@ -77,7 +88,34 @@ type Replica struct {
 	events        *status.Events // nil when disabled
 	metricsListen string
 	version       string
+	leaseTTL      time.Duration
 	stopping      atomic.Bool // set when Run's context ends, for /readyz
+}
+
+// leaseTTL returns the lease TTL to run with: ttl when set, else the one for the control
+// bucket's replica count. It logs which, and warns of a TTL a replicated bucket's election
+// outlasts.
+func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration, log zerolog.Logger) (time.Duration, error) {
+	st, err := control.Status(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
+	}
+	replicas := 1
+	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+		replicas = bs.StreamInfo().Config.Replicas
+	}
+	switch {
+	case ttl == 0:
+		ttl = election.LeaseTTLFor(replicas)
+		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).
+			Msg("lease TTL chosen for the control bucket's replicas (--lease-ttl sets it): a replica killed outright has its partitions taken over after about this")
+	case replicas > 1 && ttl < election.ReplicatedLeaseTTL:
+		log.Warn().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Dur("recommended", election.ReplicatedLeaseTTL).
+			Msg("lease TTL below the election time of a replicated control bucket: the death of the NATS server leading it expires every lease, and every partition stops and moves")
+	default:
+		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Msg("lease TTL as configured")
+	}
+	return ttl, nil
 }
 
 // New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
@@ -88,6 +126,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
+	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
+		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
+	}
+	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
+		cfg.Setup.Park = &setup.ParkConfig{}
+	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
 	cancel()
@@ -105,7 +149,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
-	r := &Replica{id: cfg.ID, log: log, nc: js.Conn(), groups: groups, control: control,
+	r := &Replica{id: cfg.ID, log: log, nc: js.Conn(), js: js, groups: groups, control: control,
 		metricsListen: cfg.MetricsListen, version: cfg.Version}
 	tcfg := cfg.Table
 	tcfg.Logger = log.With().Str("component", "kv").Logger()
@@ -114,6 +158,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		if !u.Initial {
 			r.metrics.ObserveTableUpdate(u.Deleted)
 		}
+		if !u.Deleted && !u.Entry.Invalid && r.release != nil {
+			r.release(u.Device) // a parked device got a group
+		}
 		if next != nil {
 			next(u)
 		}
@@ -121,6 +168,13 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	table, err := kv.New(groups, tcfg)
 	if err != nil {
 		return nil, err
+	}
+	// Every stream and bucket the replica uses, for the replication metrics: in direct mode
+	// there is no INCOMING.
+	names := cfg.Setup.Names.WithDefaults()
+	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
+	if cfg.Setup.Mode == setup.ModeDirect {
+		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
 	lookup := func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
@@ -143,19 +197,25 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg := cfg.Lanes
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
-		names := cfg.Setup.Names.WithDefaults()
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
+			return nil, err
+		}
 		lp, err := lanes.New(js, control, lookup, lcfg)
 		if err != nil {
 			return nil, invalid(err, lanes.ErrInvalidConfig)
 		}
-		pool = lp
+		pool, r.release = lp, lp.Release
 		if cfg.Election.ReleaseTimeout == 0 {
 			// A releasing lane may wait DrainTimeout for acknowledgements, then write a checkpoint.
 			cfg.Election.ReleaseTimeout = lp.DrainTimeout() + 10*time.Second
 		}
 	}
 	ecfg := cfg.Election
+	if ecfg.LeaseTTL, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
+		return nil, err
+	}
+	r.leaseTTL = ecfg.LeaseTTL
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = cfg.Lanes.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
@@ -240,6 +300,39 @@ func (r *Replica) Run(ctx context.Context, ready func()) error {
 	}
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return err
+	}
+	return nil
+}
+
+// parking sets the lanes' parking from the names setup used: on for new devices with
+// --on-unmapped park; otherwise on only to drain a PARKED that the deployment used (setup wrote
+// the control bucket's parked key; parked by an earlier run, or by another replica), so that
+// turning parking off neither strands parked messages nor lets a parked device's live messages
+// overtake them. A deployment that never parked never touches PARKED.
+func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyValue, pc *lanes.ParkConfig, names subjects.Names, log zerolog.Logger) error {
+	pc.Prefix, pc.Stream = names.ParkedPrefix, ""
+	if pc.New {
+		pc.Stream = names.Parked
+		return nil
+	}
+	_, err := control.Get(ctx, subjects.ParkedKey)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading %s in bucket %s: %w", subjects.ParkedKey, control.Bucket(), err)
+	}
+	s, err := js.Stream(ctx, names.Parked)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, subjects.ParkedKey, control.Bucket(), err)
+	}
+	pc.Stream = names.Parked
+	if n := s.CachedInfo().State.Msgs; n > 0 {
+		log.Warn().Str("stream", names.Parked).Uint64("messages", n).
+			Msg("PARKED holds parked messages: they are released as their devices get a group (or expire, or are unparked), but no new device is parked (--on-unmapped dead-letter)")
 	}
 	return nil
 }
@@ -396,6 +489,7 @@ func (r *Replica) report() status.Report {
 		Counters: status.Counters{
 			Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
+			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
 		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
 	}
@@ -403,22 +497,37 @@ func (r *Replica) report() status.Report {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{
 			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint,
 			Pending: p.Pending, InFlight: p.InFlight, Lag: p.Lag(),
+			ParkedDevices: p.ParkedDevices, ParkedMessages: p.ParkedMessages,
 		})
 	}
 	return rep
 }
 
+// streamInfoTimeout bounds each stream info request of a scrape: a replicated stream electing a
+// leader answers nothing for seconds.
+const streamInfoTimeout = time.Second
+
 // metricsSnapshot is the metrics source, read at each scrape. The watch lag costs one request
-// to the server (the groups bucket's status).
+// to the server (the groups bucket's status), the streams' replication one per stream, all at
+// once.
 func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	st := r.pool.Stats()
 	s := metrics.Snapshot{
 		Mapped: st.Mapped, Unmapped: st.Unmapped, Duplicates: st.Duplicates,
 		Retries: st.Retries, Failures: st.Failures, Dropped: st.Dropped, Reorders: st.Reorders, InFlight: st.InFlight,
+		Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		Owned:         len(r.elector.Owned()),
 		TableDevices:  r.table.Len(),
 		TableRevision: r.table.Revision(),
 		WatchLag:      -1,
+		LeaseTTL:      r.leaseTTL,
+	}
+	for _, rep := range status.ReadReplication(ctx, r.js, r.streams, streamInfoTimeout) {
+		st := metrics.Stream{Name: rep.Stream, Replicas: rep.Replicas, Leader: rep.Leader}
+		for _, f := range rep.Followers {
+			st.Followers = append(st.Followers, metrics.Follower{Server: f.Name, Current: f.Current, Lag: f.Lag, SeenAgo: f.SeenAgo})
+		}
+		s.Streams = append(s.Streams, st)
 	}
 	for _, p := range r.pool.Partitions() {
 		s.Partitions = append(s.Partitions, metrics.Partition{
@@ -439,6 +548,10 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	}
 	return s
 }
+
+// LeaseTTL returns the partition lease TTL the replica runs with: as configured, or chosen from
+// the control bucket's replica count.
+func (r *Replica) LeaseTTL() time.Duration { return r.leaseTTL }
 
 // Stats returns the counters of the replica's lanes.
 func (r *Replica) Stats() lanes.Stats { return r.pool.Stats() }

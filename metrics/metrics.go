@@ -27,6 +27,11 @@ type Snapshot struct {
 	Reorders   uint64            // messages this replica stored after a later one of their device
 	InFlight   int               // publishes awaiting acknowledgement now
 
+	Parked         uint64 // messages parked in PARKED
+	Released       uint64 // parked messages republished to OUTGOING
+	ParkedDevices  int64  // devices this replica's lanes hold parked now
+	ParkedMessages int64  // messages they hold parked
+
 	Owned      int         // partitions this replica holds a lease for
 	Partitions []Partition // the partitions whose lane is running now
 
@@ -38,6 +43,27 @@ type Snapshot struct {
 
 	EventsPublished uint64 // ownership events published
 	EventsDropped   uint64 // ownership events dropped because the publisher fell behind
+
+	// LeaseTTL is the partition lease TTL the replica runs with; 0: not exported.
+	LeaseTTL time.Duration
+	// Streams are the streams and buckets the replica uses, with their leaders and followers.
+	Streams []Stream
+}
+
+// Stream is how one stream (or a bucket's stream) is replicated, as its info says.
+type Stream struct {
+	Name      string
+	Replicas  int    // replica count configured; 0 when its info could not be read
+	Leader    string // server leading it; "" when none does or its info could not be read
+	Followers []Follower
+}
+
+// Follower is one replica of a stream other than its leader.
+type Follower struct {
+	Server  string
+	Current bool          // it has everything the leader has
+	Lag     uint64        // operations behind the leader
+	SeenAgo time.Duration // since the leader last heard from it
 }
 
 // Partition is one running lane's progress.
@@ -194,7 +220,20 @@ var (
 	descWatchLag   = prometheus.NewDesc("kvmapper_table_watch_lag_revisions", "Revisions the groups bucket holds beyond what the table has applied.", nil, nil)
 	descEventsPub  = prometheus.NewDesc("kvmapper_events_published_total", "Ownership events published.", nil, nil)
 	descEventsDrop = prometheus.NewDesc("kvmapper_events_dropped_total", "Ownership events dropped because the publisher fell behind.", nil, nil)
-	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop}
+	descParked     = prometheus.NewDesc("kvmapper_parked_total", "Messages of devices without a mapping parked in PARKED (--on-unmapped park).", nil, nil)
+	descReleased   = prometheus.NewDesc("kvmapper_released_total", "Parked messages republished to OUTGOING once their device had a group (also counted in kvmapper_mapped_total).", nil, nil)
+	descParkedDevs = prometheus.NewDesc("kvmapper_parked_devices", "Devices this replica's lanes hold parked.", nil, nil)
+	descParkedMsgs = prometheus.NewDesc("kvmapper_parked_messages", "Messages this replica's lanes hold parked, as far as they know (PARKED is the record).", nil, nil)
+	descLeaseTTL   = prometheus.NewDesc("kvmapper_lease_ttl_seconds", "Partition lease TTL: a replica killed outright has its partitions taken over after about this.", nil, nil)
+	descReplicas   = prometheus.NewDesc("kvmapper_stream_replicas", "Replicas a stream or bucket was created with (0: its info could not be read).", []string{"stream"}, nil)
+	descHasLeader  = prometheus.NewDesc("kvmapper_stream_has_leader", "1 when the stream or bucket has a leader, 0 while it elects one or does not answer.", []string{"stream"}, nil)
+	descLeader     = prometheus.NewDesc("kvmapper_stream_leader", "1 for the server that leads the stream or bucket.", []string{"stream", "server"}, nil)
+	descFollowLag  = prometheus.NewDesc("kvmapper_stream_follower_lag", "Operations a follower of the stream or bucket is behind its leader.", []string{"stream", "server"}, nil)
+	descFollowCur  = prometheus.NewDesc("kvmapper_stream_follower_current", "1 when a follower of the stream or bucket has everything its leader has.", []string{"stream", "server"}, nil)
+	descFollowSeen = prometheus.NewDesc("kvmapper_stream_follower_seen_seconds", "Since the leader of the stream or bucket last heard from a follower.", []string{"stream", "server"}, nil)
+	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
+		descParked, descReleased, descParkedDevs, descParkedMsgs,
+		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -243,4 +282,29 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descEventsPub, s.EventsPublished)
 	counter(descEventsDrop, s.EventsDropped)
+	counter(descParked, s.Parked)
+	counter(descReleased, s.Released)
+	gauge(descParkedDevs, float64(s.ParkedDevices))
+	gauge(descParkedMsgs, float64(s.ParkedMessages))
+	if s.LeaseTTL > 0 {
+		gauge(descLeaseTTL, s.LeaseTTL.Seconds())
+	}
+	for _, st := range s.Streams {
+		gauge(descReplicas, float64(st.Replicas), st.Name)
+		has := 0.0
+		if st.Leader != "" {
+			has = 1
+			gauge(descLeader, 1, st.Name, st.Leader)
+		}
+		gauge(descHasLeader, has, st.Name)
+		for _, f := range st.Followers {
+			cur := 0.0
+			if f.Current {
+				cur = 1
+			}
+			gauge(descFollowLag, float64(f.Lag), st.Name, f.Server)
+			gauge(descFollowCur, cur, st.Name, f.Server)
+			gauge(descFollowSeen, f.SeenAgo.Seconds(), st.Name, f.Server)
+		}
+	}
 }

@@ -217,3 +217,44 @@ func get(t *testing.T, url string) (int, string) {
 	}
 	return resp.StatusCode, string(b)
 }
+
+// The streams' replication and the lease TTL, as a replica on a cluster reports them: a leader
+// per stream, each follower's lag and state, and no leader while one is elected.
+func TestStreamReplication(t *testing.T) {
+	m, err := metrics.New(func(context.Context) metrics.Snapshot {
+		return metrics.Snapshot{WatchLag: -1, LeaseTTL: 15 * time.Second, Streams: []metrics.Stream{
+			{Name: "OUTGOING", Replicas: 3, Leader: "n1", Followers: []metrics.Follower{
+				{Server: "n0", Current: true, SeenAgo: 200 * time.Millisecond},
+				{Server: "n2", Lag: 42, SeenAgo: 3 * time.Second},
+			}},
+			{Name: "KV_kvmapper", Replicas: 3, Followers: []metrics.Follower{{Server: "n0"}, {Server: "n1"}}},
+		}}
+	}, metrics.Config{Replica: "r0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(m.Handler())
+	defer hs.Close()
+	_, body := get(t, hs.URL+"/metrics")
+	for _, want := range []string{
+		"kvmapper_lease_ttl_seconds 15",
+		`kvmapper_stream_replicas{stream="OUTGOING"} 3`,
+		`kvmapper_stream_has_leader{stream="OUTGOING"} 1`,
+		`kvmapper_stream_leader{server="n1",stream="OUTGOING"} 1`,
+		`kvmapper_stream_follower_current{server="n0",stream="OUTGOING"} 1`,
+		`kvmapper_stream_follower_current{server="n2",stream="OUTGOING"} 0`,
+		`kvmapper_stream_follower_lag{server="n2",stream="OUTGOING"} 42`,
+		`kvmapper_stream_follower_seen_seconds{server="n2",stream="OUTGOING"} 3`,
+		`kvmapper_stream_has_leader{stream="KV_kvmapper"} 0`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("GET /metrics lacks %q", want)
+		}
+	}
+	if strings.Contains(body, `kvmapper_stream_leader{server="",stream="KV_kvmapper"}`) {
+		t.Errorf("GET /metrics names a leader for a stream without one")
+	}
+	if _, err := m.Registry().Gather(); err != nil {
+		t.Errorf("Registry().Gather() = %v", err)
+	}
+}

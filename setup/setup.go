@@ -50,6 +50,9 @@ type Config struct {
 	// means 5 and checks nothing; when set, an existing bucket that keeps fewer is an error
 	// naming the fix.
 	GroupsHistory int
+	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
+	// leaves it alone.
+	Park *ParkConfig
 }
 
 // DefaultGroupsHistory is the values per key of a groups bucket created without GroupsHistory.
@@ -115,6 +118,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 		},
 		func() (string, error) { return ensureGroups(ctx, js, cfg) },
 		func() (string, error) { return ensureControl(ctx, js, cfg) },
+	}
+	if cfg.Park != nil {
+		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
 	for _, step := range steps {
 		line, err := step()

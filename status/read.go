@@ -1,11 +1,13 @@
 package status
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -23,7 +25,8 @@ type ReadConfig struct {
 	// Names are the streams and buckets read (Incoming with its stream layout, Groups,
 	// Control); empty ones get subjects.DefaultNames.
 	subjects.Names
-	// Timeout bounds the wait for the replicas' status replies. Default 1s.
+	// Timeout bounds the wait for the replicas' status replies and for each stream's
+	// replication. Default 1s.
 	Timeout time.Duration
 	// NoStreamLag skips counting lag in INCOMING for partitions whose owner did not report:
 	// the count needs a short-lived consumer per such partition (see [Read]).
@@ -46,7 +49,8 @@ func (c *ReadConfig) setDefaults() error {
 
 // Read assembles a snapshot from NATS alone, so it works from any machine that can reach the
 // servers. It reads the control bucket (leases, members, checkpoints), asks every member for its
-// [Report] on [StatusSubject] at once (waiting up to Timeout), and reads the state of INCOMING
+// [Report] on [StatusSubject] and every stream for its [Replication] at once (waiting up to
+// Timeout), and reads the state of INCOMING
 // (or of every partition stream) and the groups bucket. A partition's lag comes from its owner's report; for a partition whose
 // owner did not report (or that has none) it is counted in INCOMING after its checkpoint, by
 // creating an ephemeral consumer filtered on the partition that starts after the checkpoint and
@@ -72,10 +76,14 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	}
 	snap.At = time.Now()
 
-	// Ask the members, and meanwhile read the stream and bucket states.
+	// Ask the members and the streams' leaders, and meanwhile read the stream and bucket
+	// states.
 	var replies map[string]reply
 	var wg sync.WaitGroup
 	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
+	wg.Go(func() {
+		snap.Replication = ReadReplication(ctx, js, StreamNames(cfg.Names, n), cfg.Timeout)
+	})
 	defer wg.Wait()
 	streams, err := readIncoming(ctx, js, cfg, snap)
 	if err != nil {
@@ -86,6 +94,9 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 		p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.streamOf(p.Partition).Incarnation
 	}
 	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
+		return nil, err
+	}
+	if err := readParked(ctx, js, cfg, snap); err != nil {
 		return nil, err
 	}
 
@@ -148,6 +159,9 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 		}
 		if e == nil {
 			break
+		}
+		if e.Key() == subjects.ParkedKey {
+			snap.parking = true
 		}
 		kind, p, id, ok := subjects.ParseControlKey(e.Key())
 		if kind == subjects.KindMember {
@@ -243,6 +257,48 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 		snap.Incoming.Messages += st.Messages
 	}
 	return streams, nil
+}
+
+// readParked counts PARKED's messages per device, if the deployment parks (the control bucket
+// holds subjects.ParkedKey) and the stream exists.
+func readParked(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, snap *Snapshot) error {
+	if !snap.parking {
+		return nil
+	}
+	s, err := js.Stream(ctx, cfg.Parked)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("status: opening stream %s: %w", cfg.Parked, err)
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(cfg.ParkedPrefix+".>"))
+	if err != nil {
+		return fmt.Errorf("status: reading stream %s: %w", cfg.Parked, err)
+	}
+	pk := &Parked{Stream: cfg.Parked, Messages: info.State.Msgs, Top: []ParkedDevice{}}
+	var all []ParkedDevice
+	for subj, n := range info.State.Subjects {
+		device, p, ok := subjects.ParkedDevice(cfg.ParkedPrefix, subj)
+		if !ok || n == 0 {
+			continue
+		}
+		all = append(all, ParkedDevice{Device: device, Partition: p, Messages: n})
+		if p < len(snap.Partitions) {
+			snap.Partitions[p].ParkedDevices++
+			snap.Partitions[p].ParkedMessages += n
+		}
+	}
+	pk.Devices = len(all)
+	slices.SortFunc(all, func(a, b ParkedDevice) int {
+		if a.Messages != b.Messages {
+			return cmp.Compare(b.Messages, a.Messages)
+		}
+		return strings.Compare(a.Device, b.Device)
+	})
+	pk.Top = append(pk.Top, all[:min(len(all), MaxParkedShown)]...)
+	snap.Parked = pk
+	return nil
 }
 
 // streamOf returns the stream holding partition p: INCOMING, or its partition stream.

@@ -79,9 +79,12 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 			strings.Join(stale, ", "), s.Incoming.Name, s.Incoming.Created.UTC().Format(time.RFC3339))
 	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
-	if len(s.Streams) == 0 {
-		_, err := fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
+	if err := s.Parked.writeText(w); err != nil {
 		return err
+	}
+	if len(s.Streams) == 0 {
+		fmt.Fprintf(w, "stream %s: %d messages, sequences %d to %d\n", s.Incoming.Name, s.Incoming.Messages, s.Incoming.FirstSeq, s.Incoming.LastSeq)
+		return s.writeReplication(w)
 	}
 	fmt.Fprintf(w, "partition streams %s: %d messages in all\n\n", s.Incoming.Name, s.Incoming.Messages)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -97,7 +100,61 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t\n", st.Name, st.Messages, seqs, leader)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return s.writeReplication(w)
+}
+
+// writeReplication writes how each stream is replicated: its leader and its followers, those
+// not current with their lag and when their leader last heard from them.
+func (s *Snapshot) writeReplication(w io.Writer) error {
+	if len(s.Replication) == 0 {
+		return nil
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STREAM\tREPLICAS\tLEADER\tFOLLOWERS\t")
+	var errs []string
+	for _, r := range s.Replication {
+		leader := r.Leader
+		switch {
+		case r.Error != "":
+			leader = "?"
+			errs = append(errs, fmt.Sprintf("stream %s: %s", r.Stream, r.Error))
+		case leader == "" && r.Replicas > 1:
+			leader = "(none: electing)"
+		case leader == "":
+			leader = "-"
+		}
+		var fs []string
+		for _, f := range r.Followers {
+			switch {
+			case f.Offline:
+				fs = append(fs, fmt.Sprintf("%s (offline, seen %s ago)", f.Name, f.SeenAgo.Round(100*time.Millisecond)))
+			case !f.Current:
+				fs = append(fs, fmt.Sprintf("%s (lag %d, seen %s ago)", f.Name, f.Lag, f.SeenAgo.Round(100*time.Millisecond)))
+			default:
+				fs = append(fs, f.Name)
+			}
+		}
+		followers := strings.Join(fs, ", ")
+		if followers == "" {
+			followers = "-"
+		}
+		replicas := "?"
+		if r.Replicas > 0 {
+			replicas = strconv.Itoa(r.Replicas)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t\n", r.Stream, replicas, leader, followers)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, e := range errs {
+		fmt.Fprintln(w, e)
+	}
+	return nil
 }
 
 func orDash(v uint64) string {
@@ -105,4 +162,25 @@ func orDash(v uint64) string {
 		return "-"
 	}
 	return strconv.FormatUint(v, 10)
+}
+
+// writeText writes what is parked, if anything: the totals and the devices with the most.
+func (pk *Parked) writeText(w io.Writer) error {
+	if pk == nil {
+		return nil
+	}
+	if pk.Devices == 0 {
+		_, err := fmt.Fprintf(w, "stream %s: nothing parked\n", pk.Stream)
+		return err
+	}
+	fmt.Fprintf(w, "stream %s: %d messages parked, of %d devices without a group (kvmapper unpark releases or drops them)\n", pk.Stream, pk.Messages, pk.Devices)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  PARKED DEVICE\tPARTITION\tMESSAGES\t")
+	for _, d := range pk.Top {
+		fmt.Fprintf(tw, "  %s\t%d\t%d\t\n", d.Device, d.Partition, d.Messages)
+	}
+	if n := pk.Devices - len(pk.Top); n > 0 {
+		fmt.Fprintf(tw, "  (%d more)\t\t\t\n", n)
+	}
+	return tw.Flush()
 }

@@ -35,6 +35,9 @@ type PartitionReport struct {
 	Pending    uint64 `json:"pending"`    // messages not yet delivered to the lane
 	InFlight   int    `json:"in_flight"`  // publishes awaiting acknowledgement
 	Lag        uint64 `json:"lag"`        // pending + in flight
+	// ParkedDevices and ParkedMessages are what the lane holds parked, as far as it knows.
+	ParkedDevices  int64 `json:"parked_devices,omitempty"`
+	ParkedMessages int64 `json:"parked_messages,omitempty"`
 }
 
 // Counters are a replica's totals since it started.
@@ -45,6 +48,12 @@ type Counters struct {
 	Retries    uint64            `json:"retries"`
 	Failures   uint64            `json:"failures"`
 	InFlight   int               `json:"in_flight"`
+	// Parked counts messages parked in PARKED, Released those republished from it to OUTGOING;
+	// ParkedDevices and ParkedMessages are what the replica's lanes hold parked now.
+	Parked         uint64 `json:"parked,omitempty"`
+	Released       uint64 `json:"released,omitempty"`
+	ParkedDevices  int64  `json:"parked_devices,omitempty"`
+	ParkedMessages int64  `json:"parked_messages,omitempty"`
 }
 
 // Table describes a replica's in-memory groups table.

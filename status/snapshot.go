@@ -16,7 +16,34 @@ type Snapshot struct {
 	StreamLayout string `json:"stream_layout"`
 	// Streams are the partition streams in partition order; empty in the single-stream layout.
 	Streams []Stream `json:"streams,omitempty"`
+	// Replication is how every stream kvmapper uses is replicated, in [StreamNames] order:
+	// INCOMING (or each partition stream), OUTGOING, UNMAPPED, the groups and control buckets.
+	Replication []Replication `json:"replication"`
+	// Parked describes the PARKED stream; nil when there is none (parking never turned on).
+	Parked *Parked `json:"parked,omitempty"`
+
+	parking bool // the control bucket says the deployment parks
 }
+
+// Parked is what the PARKED stream holds: the messages of devices without a group, held until
+// they get one (kvmapper run --on-unmapped park), counted from the stream's per-subject index.
+type Parked struct {
+	Stream   string `json:"stream"`
+	Messages uint64 `json:"messages"`
+	Devices  int    `json:"devices"`
+	// Top are the devices with the most messages parked, at most [MaxParkedShown], most first.
+	Top []ParkedDevice `json:"top"`
+}
+
+// ParkedDevice is one parked device.
+type ParkedDevice struct {
+	Device    string `json:"device"`
+	Partition int    `json:"partition"`
+	Messages  uint64 `json:"messages"`
+}
+
+// MaxParkedShown is how many parked devices a snapshot lists by name.
+const MaxParkedShown = 20
 
 // Partition is one partition's owner and progress.
 type Partition struct {
@@ -45,6 +72,9 @@ type Partition struct {
 	// LagFrom says where Lag comes from: "replica" (the owner's report: pending + in flight),
 	// "stream" (INCOMING's count of the partition's messages after Checkpoint) or "" (unknown).
 	LagFrom string `json:"lag_from"`
+	// ParkedDevices and ParkedMessages are what PARKED holds of the partition.
+	ParkedDevices  int    `json:"parked_devices,omitempty"`
+	ParkedMessages uint64 `json:"parked_messages,omitempty"`
 	// Rate is messages per second republished, between the previous snapshot and this one;
 	// nil when there was no previous snapshot or the partition moved back.
 	Rate *float64 `json:"rate,omitempty"`

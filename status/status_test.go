@@ -287,6 +287,17 @@ func testRead(t *testing.T, e *env) {
 		}
 		want = append(want, "partition streams INCOMING-<p>: 200 messages in all", "STREAM", fmt.Sprintf("INCOMING-15  %d", len(seqs[15])))
 	}
+	// Every stream's replication: one copy each, on this server.
+	names := status.StreamNames(e.names, partitions)
+	if len(snap.Replication) != len(names) {
+		t.Errorf("Read replication of %d streams, want %d (%v)", len(snap.Replication), len(names), names)
+	}
+	for i, r := range snap.Replication {
+		if r.Stream != names[i] || r.Replicas != 1 || r.Error != "" || len(r.Followers) != 0 || !r.Healthy() {
+			t.Errorf("replication[%d] = %+v, want %s with 1 replica, no followers, healthy", i, r, names[i])
+		}
+	}
+	want = append(want, "REPLICAS", "FOLLOWERS", "KV_device-groups")
 	// The lag count leaves no consumer behind.
 	for _, name := range e.names.IncomingStreams(partitions) {
 		info, err := e.js.Stream(ctx, name)

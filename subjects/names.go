@@ -19,11 +19,15 @@ type Names struct {
 	Control  string // the KV bucket of leases, members and checkpoints
 	// StreamLayout says how INCOMING is stored: one stream, or one per partition.
 	StreamLayout StreamLayout
+	// Parked is the stream that holds the messages of parked devices (see [ParkedSubject]).
+	Parked string
+	// ParkedPrefix is the first token(s) of the parked subjects, "<ParkedPrefix>.<p>.<device>".
+	ParkedPrefix string
 }
 
 // DefaultNames are the names kvmapper uses unless told otherwise.
 var DefaultNames = Names{Incoming: "INCOMING", Outgoing: "OUTGOING", Unmapped: "UNMAPPED", Groups: "device-groups", Control: "kvmapper",
-	StreamLayout: SingleStream}
+	StreamLayout: SingleStream, Parked: "PARKED", ParkedPrefix: "parked"}
 
 // WithDefaults returns n with each empty name set to its default.
 func (n Names) WithDefaults() Names {
@@ -35,6 +39,8 @@ func (n Names) WithDefaults() Names {
 		Groups:       cmp.Or(n.Groups, d.Groups),
 		Control:      cmp.Or(n.Control, d.Control),
 		StreamLayout: cmp.Or(n.StreamLayout, d.StreamLayout),
+		Parked:       cmp.Or(n.Parked, d.Parked),
+		ParkedPrefix: cmp.Or(n.ParkedPrefix, d.ParkedPrefix),
 	}
 }
 
@@ -100,11 +106,13 @@ func (n Names) IncomingStreams(partitions int) []string {
 // BucketStream is the name of the stream behind KV bucket b, as the server names it.
 func BucketStream(b string) string { return "KV_" + b }
 
-// The kinds of key in the control bucket: lease.<p>, member.<id> and checkpoint.<p>.
+// The kinds of key in the control bucket: lease.<p>, member.<id> and checkpoint.<p>, and
+// unpark.<p>.<device> (see [UnparkKey]), which [ParseControlKey] leaves to the lanes.
 const (
 	KindLease      = "lease"
 	KindMember     = "member"
 	KindCheckpoint = "checkpoint"
+	KindUnpark     = "unpark"
 )
 
 // LeaseKey is the control-bucket key of partition p's lease; its value is the owner's id.
@@ -116,6 +124,49 @@ func MemberKey(id string) string { return KindMember + "." + id }
 // CheckpointKey is the control-bucket key of partition p's checkpoint: the last INCOMING
 // sequence of p whose republish was acknowledged, with the incarnation of INCOMING it belongs to.
 func CheckpointKey(p int) string { return KindCheckpoint + "." + strconv.Itoa(p) }
+
+// ParkedKey is the control-bucket key that says a deployment parks devices: setup writes it,
+// with the PARKED stream's name, when it creates or verifies that stream. Replicas and status look
+// at PARKED only when it exists, so that a deployment that never parked needs no permission on
+// PARKED.
+const ParkedKey = "parked"
+
+// UnparkKey is the control-bucket key that asks the owner of partition p to unpark device (its
+// value says how: release or drop); the owner deletes it once done.
+func UnparkKey(p int, device string) string {
+	return KindUnpark + "." + strconv.Itoa(p) + "." + device
+}
+
+// UnparkFilter is the key filter of partition p's unpark keys, "unpark.<p>.*".
+func UnparkFilter(p int) string { return KindUnpark + "." + strconv.Itoa(p) + ".*" }
+
+// ParkedSubject is the subject a parked message of device, in partition p, is stored under in
+// the PARKED stream: "<prefix>.<p>.<device>", one subject per device, so that the stream's
+// per-subject limit is a per-device limit.
+func ParkedSubject(prefix string, p int, device string) string {
+	return prefix + "." + strconv.Itoa(p) + "." + device
+}
+
+// ParkedFilter is the filter of partition p's parked subjects, "<prefix>.<p>.>".
+func ParkedFilter(prefix string, p int) string { return prefix + "." + strconv.Itoa(p) + ".>" }
+
+// ParkedDevice returns the device and partition of a parked subject of prefix, and false for
+// any other subject.
+func ParkedDevice(prefix, subject string) (device string, p int, ok bool) {
+	rest, found := strings.CutPrefix(subject, prefix+".")
+	if !found {
+		return "", -1, false
+	}
+	ps, device, found := strings.Cut(rest, ".")
+	if !found || device == "" || strings.Contains(device, ".") {
+		return "", -1, false
+	}
+	n, err := strconv.Atoi(ps)
+	if err != nil || n < 0 || strconv.Itoa(n) != ps {
+		return "", -1, false
+	}
+	return device, n, true
+}
 
 // ParseControlKey splits a control-bucket key into its kind ([KindLease], [KindMember] or
 // [KindCheckpoint]) and the rest: the partition of a lease or checkpoint (p is -1 for a member,

@@ -90,3 +90,35 @@ func TestIncomingStreams(t *testing.T) {
 		t.Errorf("mapping %q → %q", lay.MappingSource(), lay.MappingDest())
 	}
 }
+
+func TestParkedSubjects(t *testing.T) {
+	if got, want := subjects.ParkedSubject("parked", 7, "dev-42"), "parked.7.dev-42"; got != want {
+		t.Errorf("ParkedSubject() = %q, want %q", got, want)
+	}
+	if got, want := subjects.ParkedFilter("kv.parked", 3), "kv.parked.3.>"; got != want {
+		t.Errorf("ParkedFilter() = %q, want %q", got, want)
+	}
+	if got, want := subjects.UnparkKey(5, "dev-1"), "unpark.5.dev-1"; got != want {
+		t.Errorf("UnparkKey() = %q, want %q", got, want)
+	}
+	for _, tc := range []struct {
+		prefix, subject string
+		device          string
+		p               int
+		ok              bool
+	}{
+		{"parked", "parked.7.dev-42", "dev-42", 7, true},
+		{"kv.parked", "kv.parked.0.d", "d", 0, true},
+		{"parked", "parked.07.d", "", -1, false},
+		{"parked", "parked.x.d", "", -1, false},
+		{"parked", "parked.7", "", -1, false},
+		{"parked", "parked.7.", "", -1, false},
+		{"parked", "parked.7.a.b", "", -1, false},
+		{"parked", "other.7.d", "", -1, false},
+	} {
+		d, p, ok := subjects.ParkedDevice(tc.prefix, tc.subject)
+		if d != tc.device || p != tc.p || ok != tc.ok {
+			t.Errorf("ParkedDevice(%q, %q) = %q, %d, %v; want %q, %d, %v", tc.prefix, tc.subject, d, p, ok, tc.device, tc.p, tc.ok)
+		}
+	}
+}

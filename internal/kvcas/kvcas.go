@@ -15,14 +15,12 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// IsConflict reports whether err is a compare-and-set conflict: someone else wrote first. The
-// server answers "wrong last sequence", 10071, which the KV calls report as ErrKeyExists and
-// ErrKeyRevisionMismatch; nats.go documents 10164 for the same conflict on replicated streams
-// and maps it in its KV calls, but a raw publish with an expected sequence would return the API
-// error itself, so both codes are checked. (nats-server 2.15.2 answered 10071 on an R3 bucket to
-// every write TestIsConflictReplicated makes: the 10164 case is nats.go's word, not observed.)
+// IsConflict reports whether err is a compare-and-set conflict: someone else wrote first, and the
+// key holds another revision than the one expected. The server answers "wrong last sequence",
+// 10071, which the KV calls report as ErrKeyExists and ErrKeyRevisionMismatch. The same words
+// with code 10164 mean something else, which [InProcess] tells: IsConflict is false for it.
 func IsConflict(err error) bool {
-	if err == nil {
+	if err == nil || InProcess(err) {
 		return false
 	}
 	if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
@@ -30,10 +28,22 @@ func IsConflict(err error) bool {
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
-		return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
-			apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+		return apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence
 	}
 	return false
+}
+
+// InProcess reports whether err is the refusal of a compare-and-set write because another write
+// of the same key is still being applied (a replicated stream's leader proposed it and has not
+// applied it yet): "wrong last sequence" with code 10164, JSStreamWrongLastSequenceConstantErr
+// (nats-server 2.15 jetstream_batching.go: "If the subject is already in process, block").
+// Nothing was written; the key still holds the revision it had, and the write in process may
+// change it or not. A writer whose own earlier write timed out meets it when that write is
+// slow to be applied: it is not a conflict with anyone, and the write is to be tried again.
+// nats.go's KV calls report it as ErrKeyExists, like a conflict.
+func InProcess(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
 }
 
 // ErrNotFound is returned by [Latest] when the bucket holds no message for the key.

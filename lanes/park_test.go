@@ -1,0 +1,419 @@
+package lanes_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// parkOn creates PARKED with the limits given (0: setup's defaults) and returns c with parking on.
+func (f *fixture) parkOn(c lanes.Config, perDevice, total int64) lanes.Config {
+	f.t.Helper()
+	cfg := f.setupConfig()
+	cfg.Park = &setup.ParkConfig{MaxPerDevice: perDevice, MaxTotal: total}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := setup.Ensure(ctx, f.js, cfg); err != nil {
+		f.t.Fatalf("setup.Ensure with Park: %v", err)
+	}
+	c.Park.Stream, c.Park.New = "PARKED", true
+	return c
+}
+
+// parked returns how many messages PARKED holds for device.
+func (f *fixture) parked(device string) int {
+	f.t.Helper()
+	ctx := context.Background()
+	s, err := f.js.Stream(ctx, "PARKED")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	subj := subjects.ParkedSubject("parked", subjects.Partition(device, f.lay.Partitions), device)
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subj))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return int(info.State.Subjects[subj])
+}
+
+// count returns how many messages stream holds.
+func (f *fixture) count(stream string) int {
+	f.t.Helper()
+	s, err := f.js.Stream(context.Background(), stream)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	info, err := s.Info(context.Background())
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return int(info.State.Msgs)
+}
+
+// waitParked waits until PARKED holds n messages of device.
+func (f *fixture) waitParked(device string, n int) {
+	f.t.Helper()
+	natstest.Eventually(f.t, 30*time.Second, func() error {
+		if got := f.parked(device); got != n {
+			return fmt.Errorf("PARKED holds %d messages of %s, want %d", got, device, n)
+		}
+		return nil
+	})
+}
+
+// sameLane returns n devices of the partition device is in, device first.
+func sameLane(device string, n int) []string {
+	p := subjects.Partition(device, 16)
+	out := []string{device}
+	for i := 0; len(out) < n; i++ {
+		if d := fmt.Sprintf("other-%03d", i); subjects.Partition(d, 16) == p {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+func TestParkThenReleaseInOrder(t *testing.T) {
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		devs := sameLane("late", 2) // late is provisioned after it published; the other is mapped
+		late, mapped := devs[0], devs[1]
+		f.groups.set(mapped, "g")
+		// A small window: the release and the device's new parks wait for room in turn, so
+		// the release catches up while parks are held or in flight.
+		pool, _ := f.run(f.parkOn(lanes.Config{MaxInFlight: 16}, 0, 0), nil)
+
+		f.publish(devs, 100, nil)
+		f.waitParked(late, 100)
+		// The parked device does not hold back the other device of its partition.
+		checkOrder(t, f.read("OUTGOING", 100), []string{mapped}, 100, func(d string) string { return "outgoing.g." + d + ".evt" })
+		if n := f.count("UNMAPPED"); n != 0 {
+			t.Fatalf("UNMAPPED holds %d messages; a parked device's messages must not be dead-lettered", n)
+		}
+
+		// Provisioned: released at once, and what it publishes meanwhile stays behind.
+		f.groups.set(late, "late-group")
+		pool.Release(late)
+		f.publishFrom([]string{late}, 100, 100, nil)
+		out := f.read("OUTGOING", 300)
+		var lateMsgs []jetstream.Msg
+		for _, m := range out {
+			if strings.HasPrefix(string(m.Data()), late+":") {
+				lateMsgs = append(lateMsgs, m)
+			}
+		}
+		checkOrder(t, lateMsgs, []string{late}, 200, func(d string) string { return "outgoing.late-group." + d + ".evt" })
+		f.waitParked(late, 0) // released messages are purged
+		natstest.Eventually(t, 10*time.Second, func() error {
+			st := pool.Stats()
+			if st.Parked < 100 || st.Released < 100 || st.Mapped != 300 || st.ParkedDevices != 0 {
+				return fmt.Errorf("Stats() = %+v, want at least 100 parked and released, 300 mapped, no device parked", st)
+			}
+			return nil
+		})
+	})
+}
+
+// ofDevice returns msgs' messages of device, in order.
+func ofDevice(msgs []jetstream.Msg, device string) []jetstream.Msg {
+	var out []jetstream.Msg
+	for _, m := range msgs {
+		if strings.HasPrefix(string(m.Data()), device+":") {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// A restart of the server and the pool keeps what is parked, and the new pool parks the device
+// again from PARKED alone: mapped before the new pool starts, its next messages must still go
+// behind the parked ones.
+func TestParkedSurviveRestart(t *testing.T) {
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		cfg := f.parkOn(lanes.Config{}, 0, 0)
+		_, stop := f.run(cfg, nil)
+		f.publish([]string{"late"}, 100, nil)
+		f.waitParked("late", 100)
+		stop()
+		f.restart()
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if !f.nc.IsConnected() {
+				return fmt.Errorf("test connection not reconnected")
+			}
+			return nil
+		})
+		f.waitParked("late", 100)
+
+		f.groups.set("late", "g")
+		f.publishFrom([]string{"late"}, 100, 100, nil)
+		pool, _ := f.run(cfg, nil) // no Release call: the sweep finds the group
+		checkOrder(t, f.read("OUTGOING", 200), []string{"late"}, 200, func(d string) string { return "outgoing.g." + d + ".evt" })
+		f.waitParked("late", 0)
+		if st := pool.Stats(); st.Released == 0 || st.Duplicates != 0 {
+			t.Errorf("Stats() = %+v, want messages released, no duplicates", st)
+		}
+	})
+}
+
+// PARKED's limits end in UNMAPPED as park-full, with the server's words; what was parked is
+// released in order.
+func TestParkLimits(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.parkOn(lanes.Config{}, 10, 25)
+	pool, _ := f.run(cfg, nil)
+	f.publish([]string{"a"}, 15, nil) // 10 parked, 5 over the device's limit
+	f.waitParked("a", 10)
+	f.publish([]string{"b", "c"}, 10, nil) // 15 more fit in all, whichever come first
+	natstest.Eventually(t, 20*time.Second, func() error {
+		if n := f.count("UNMAPPED"); n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		}
+		return nil
+	})
+	dead := f.read("UNMAPPED", 10)
+	byDev := map[string][]string{}
+	for _, m := range dead {
+		dev, _, _ := strings.Cut(string(m.Data()), ":")
+		if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonParkFull {
+			t.Fatalf("dead letter %q: reason %q, want %q", m.Data(), got, lanes.ReasonParkFull)
+		}
+		byDev[dev] = append(byDev[dev], m.Headers().Get(lanes.HeaderError))
+	}
+	if len(byDev["a"]) != 5 || !strings.Contains(byDev["a"][0], "per subject") {
+		t.Errorf("device a's dead letters: %q; want 5 saying the per-device limit was hit", byDev["a"])
+	}
+	if n := len(byDev["b"]) + len(byDev["c"]); n != 5 || !strings.Contains(append(byDev["b"], byDev["c"]...)[0], "maximum messages exceeded") {
+		t.Errorf("devices b and c: dead letters %q %q; want 5 saying the total limit was hit", byDev["b"], byDev["c"])
+	}
+	for _, d := range []string{"a", "b", "c"} {
+		f.groups.set(d, "g")
+		pool.Release(d)
+	}
+	// Each device's first messages were parked and released in order, the rest dead-lettered.
+	out := f.read("OUTGOING", 25)
+	for _, d := range []string{"a", "b", "c"} {
+		kept := ofDevice(out, d)
+		checkOrder(t, kept, []string{d}, len(kept), func(d string) string { return "outgoing.g." + d + ".evt" })
+		for i, m := range ofDevice(dead, d) {
+			if want := fmt.Sprintf("%s:%d", d, len(kept)+i); string(m.Data()) != want {
+				t.Errorf("device %s: dead letter %d is %q, want %q", d, i, m.Data(), want)
+			}
+		}
+	}
+	if st := pool.Stats(); st.Unmapped[lanes.ReasonParkFull] != 10 {
+		t.Errorf("Stats().Unmapped = %v, want 10 park-full", st.Unmapped)
+	}
+}
+
+// Parked messages older than MaxAge go to UNMAPPED as park-expired, in order: the lane's own
+// parks, and those a new owner finds in PARKED without knowing their age.
+func TestParkMaxAge(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.parkOn(lanes.Config{}, 0, 0)
+	_, stop := f.run(cfg, nil) // no MaxAge: parked as long as it takes
+	f.publish([]string{"old"}, 5, nil)
+	f.waitParked("old", 5)
+	stop()
+
+	cfg.Park.MaxAge, cfg.Park.SweepInterval = time.Second, 50*time.Millisecond
+	pool, _ := f.run(cfg, nil)
+	f.publish([]string{"new"}, 5, nil)
+	f.waitParked("new", 5)
+	natstest.Eventually(t, 20*time.Second, func() error {
+		if n := f.count("UNMAPPED"); n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		}
+		return nil
+	})
+	dead := f.read("UNMAPPED", 10)
+	for _, d := range []string{"old", "new"} {
+		msgs := ofDevice(dead, d)
+		checkOrder(t, msgs, []string{d}, 5, func(d string) string { return "unmapped." + d + ".evt" })
+		for _, m := range msgs {
+			if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonParkExpired {
+				t.Fatalf("%s: reason %q, want %q", m.Data(), got, lanes.ReasonParkExpired)
+			}
+		}
+	}
+	f.waitParked("old", 0)
+	f.waitParked("new", 0)
+	// Still without a group, its next message is parked again, afresh.
+	f.publishFrom([]string{"new"}, 5, 1, nil)
+	f.waitParked("new", 1)
+	if st := pool.Stats(); st.Unmapped[lanes.ReasonParkExpired] != 10 {
+		t.Errorf("Stats().Unmapped = %v, want 10 park-expired", st.Unmapped)
+	}
+}
+
+// A release cut short (the lease lost mid-way: the lane stops at once, without draining or purging)
+// and resumed by a new owner after OUTGOING's duplicate window loses nothing and keeps the
+// device's order; it stores again only what was republished and not purged yet.
+func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
+	eachLayout(t, func(t *testing.T, f *fixture) {
+		const total = 2000
+		cfg := f.parkOn(lanes.Config{}, total, total)
+		cfg.Park.PurgeInterval = 10 * time.Millisecond // purged early in the release, cut after that
+		ctx := context.Background()
+		s, err := f.js.Stream(ctx, "OUTGOING")
+		if err != nil {
+			t.Fatal(err)
+		}
+		oc := s.CachedInfo().Config
+		oc.Duplicates = 500 * time.Millisecond // setup refuses this; the lanes do not check it
+		if _, err := f.js.UpdateStream(ctx, oc); err != nil {
+			t.Fatal(err)
+		}
+		_, stop := f.run(cfg, nil)
+		f.publish([]string{"late"}, total, nil)
+		f.waitParked("late", total)
+		stop()
+
+		var lost atomic.Bool
+		f.groups.set("late", "g")
+		p := subjects.Partition("late", 16)
+		cut, stop := f.run(cfg, func(int) bool { return !lost.Load() })
+		// Cut once the release has purged some of what it republished.
+		natstest.Eventually(t, 30*time.Second, func() error {
+			if n := f.parked("late"); n == total {
+				return fmt.Errorf("PARKED holds all %d: nothing purged yet", n)
+			}
+			return nil
+		})
+		lost.Store(true) // the lease's clock runs out: the lane stops at once
+		natstest.Eventually(t, 10*time.Second, func() error {
+			for _, ps := range cut.Partitions() {
+				if ps.Partition == p {
+					return fmt.Errorf("the lane of partition %d still runs", p)
+				}
+			}
+			return nil
+		})
+		if errs := stop(); !errors.Is(errs[p], lanes.ErrFenced) {
+			t.Fatalf("Run(partition %d) = %v, want ErrFenced", p, errs[p])
+		}
+		stored, purged := f.count("OUTGOING"), total-f.parked("late")
+		t.Logf("cut short with %d of %d in OUTGOING, %d purged from PARKED", stored, total, purged)
+		if stored == total || purged == 0 {
+			t.Fatalf("OUTGOING holds %d, %d purged: want the release cut short after a purge", stored, purged)
+		}
+		// Past the duplicate window: OUTGOING no longer recognises the ids of what was stored.
+		time.Sleep(oc.Duplicates + 100*time.Millisecond)
+
+		pool, _ := f.run(cfg, nil)
+		f.waitOrDump(pool, "OUTGOING", total, 30*time.Second)
+		f.waitParked("late", 0)
+		again, next := 0, 0
+		for i, m := range f.read("OUTGOING", f.count("OUTGOING")) {
+			var k int
+			if _, err := fmt.Sscanf(string(m.Data()), "late:%d", &k); err != nil {
+				t.Fatalf("message %d: payload %q", i, m.Data())
+			}
+			switch {
+			case k == next:
+				next++
+			case k < next:
+				again++ // stored again: it had been released and not purged
+			default:
+				t.Fatalf("message %d: late:%d after late:%d: lost or reordered", i, k, next-1)
+			}
+		}
+		if next != total {
+			t.Fatalf("OUTGOING holds late:0 to late:%d, want to late:%d", next-1, total-1)
+		}
+		if again > stored-purged {
+			t.Errorf("%d messages stored twice, more than the %d released and not purged when the release was cut", again, stored-purged)
+		}
+		t.Logf("%d stored again after the duplicate window (released and not purged when cut: %d)", again, stored-purged)
+	})
+}
+
+// A release whose publishes go unanswered holds back only its own device: the other devices of
+// its partition, parked or not, keep flowing, and once OUTGOING answers the release completes.
+func TestStuckReleaseDoesNotStallItsPartition(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.parkOn(lanes.Config{PublishTimeout: 300 * time.Millisecond}, 0, 0)
+	ctx := context.Background()
+	s, err := f.js.Stream(ctx, "OUTGOING")
+	if err != nil {
+		t.Fatal(err)
+	}
+	oc := s.CachedInfo().Config
+	oc.Subjects = []string{"outgoing.g.>"}
+	if _, err := f.js.UpdateStream(ctx, oc); err != nil {
+		t.Fatal(err)
+	}
+	f.swallow("outgoing.stuck.>")
+	devs := sameLane("late", 3)
+	late, other, later := devs[0], devs[1], devs[2]
+	f.groups.set(other, "g")
+	pool, _ := f.run(cfg, nil)
+	f.publish([]string{late}, 200, nil)
+	f.waitParked(late, 200)
+	f.groups.set(late, "stuck") // OUTGOING does not capture it: the release goes unanswered
+	pool.Release(late)
+	natstest.Eventually(t, 20*time.Second, func() error {
+		if pool.Stats().Failures == 0 {
+			return fmt.Errorf("the release's publishes have not timed out yet")
+		}
+		return nil
+	})
+	f.publish([]string{other, later}, 100, nil)
+	checkOrder(t, f.read("OUTGOING", 100), []string{other}, 100, func(d string) string { return "outgoing.g." + d + ".evt" })
+	f.waitParked(later, 100)
+
+	oc.Subjects = []string{"outgoing.>"}
+	if _, err := f.js.UpdateStream(ctx, oc); err != nil {
+		t.Fatal(err)
+	}
+	f.waitOrDump(pool, "OUTGOING", 300, 60*time.Second)
+	checkOrder(t, ofDevice(f.read("OUTGOING", 300), late), []string{late}, 200, func(d string) string { return "outgoing.stuck." + d + ".evt" })
+	f.waitParked(late, 0)
+}
+
+// kvmapper unpark writes unpark.<p>.<device>: the owner releases the device's parked messages
+// (with no group: dead letters as no-mapping) or drops them (park-dropped), then deletes the key.
+func TestUnparkByKey(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.parkOn(lanes.Config{}, 0, 0)
+	f.run(cfg, nil)
+	f.publish([]string{"rel", "drop"}, 5, nil)
+	f.waitParked("rel", 5)
+	f.waitParked("drop", 5)
+	ctx := context.Background()
+	for d, v := range map[string]string{"rel": lanes.UnparkRelease, "drop": lanes.UnparkDrop, "none": lanes.UnparkRelease} {
+		if _, err := f.ctl.PutString(ctx, subjects.UnparkKey(subjects.Partition(d, 16), d), v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dead := f.read("UNMAPPED", 10)
+	for d, reason := range map[string]string{"rel": lanes.ReasonNoMapping, "drop": lanes.ReasonParkDropped} {
+		msgs := ofDevice(dead, d)
+		checkOrder(t, msgs, []string{d}, 5, func(d string) string { return "unmapped." + d + ".evt" })
+		for _, m := range msgs {
+			if got := m.Headers().Get(lanes.HeaderReason); got != reason {
+				t.Fatalf("%s: reason %q, want %q", m.Data(), got, reason)
+			}
+		}
+	}
+	natstest.Eventually(t, 10*time.Second, func() error {
+		for _, d := range []string{"rel", "drop", "none"} {
+			if _, err := f.ctl.Get(ctx, subjects.UnparkKey(subjects.Partition(d, 16), d)); err == nil {
+				return fmt.Errorf("the unpark key of %s is still there", d)
+			}
+		}
+		return nil
+	})
+	f.waitParked("rel", 0)
+	f.publishFrom([]string{"rel"}, 5, 1, nil) // still without a group: parked again
+	f.waitParked("rel", 1)
+}
