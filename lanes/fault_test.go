@@ -179,11 +179,12 @@ func TestIdleLaneMapsAtOnce(t *testing.T) {
 	t.Logf("the second message after an idle spell was mapped in %v", time.Since(start))
 }
 
-// A lane whose consumer is gone creates another; on a cluster, a consumer created within seconds
-// of a server's crash can be placed on that server, and its creation is never answered. Here the
-// creations go unanswered for 3s: the lane must give each up after a short while and try again,
-// so that it reads on soon after they are answered again, not after a 10s timeout of nats.go's
-// ordered consumer (which retries one name for ever).
+// A lane whose consumer is gone creates another, under a new name, from the message after the
+// last it handed on. On a cluster, a consumer created within seconds of a server's crash can be
+// placed on that server, and its creation is never answered. Here the creations go unanswered for
+// 3s: the lane must give each up after a short while and try again, so that it reads on soon
+// after they are answered again, not after a 10s timeout of nats.go's ordered consumer (which
+// retries one name for ever), and its new consumer must have a new name.
 func TestUnansweredConsumerCreationIsRetried(t *testing.T) {
 	f := newFixture(t)
 	dev := "dev-1"
@@ -199,15 +200,19 @@ func TestUnansweredConsumerCreationIsRetried(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var names []string
-	for ci := range s.ListConsumers(ctx).Info() {
-		names = append(names, ci.Name)
+	names := func() []string {
+		var names []string
+		for c := range s.ListConsumers(ctx).Info() {
+			names = append(names, c.Name)
+		}
+		return names
 	}
-	if len(names) != 1 {
-		t.Fatalf("INCOMING's consumers are %q, want the lane's one", names)
+	first := names()
+	if len(first) != 1 {
+		t.Fatalf("INCOMING's consumers are %q, want the lane's one", first)
 	}
 	drop.Drop("$JS.API.CONSUMER.CREATE.")
-	if err := s.DeleteConsumer(ctx, names[0]); err != nil {
+	if err := s.DeleteConsumer(ctx, first[0]); err != nil {
 		t.Fatal(err)
 	}
 	f.publishFrom([]string{dev}, 1, 1, nil)
@@ -227,5 +232,8 @@ func TestUnansweredConsumerCreationIsRetried(t *testing.T) {
 		t.Errorf("the lane read on %v after its consumer creations were answered again, want within a few seconds", took)
 	}
 	checkOrder(t, f.read("OUTGOING", 2), []string{dev}, 2, func(string) string { return "outgoing.g.dev-1.evt" })
+	if now := names(); len(now) != 1 || now[0] == first[0] {
+		t.Fatalf("INCOMING's consumers are %q after %q was deleted, want one under a new name", now, first[0])
+	}
 	t.Logf("%d consumer creations unanswered; read on %v after they were answered again", drop.Dropped(), time.Since(answered))
 }

@@ -153,3 +153,27 @@ func TestLeaseClockStopsPublishing(t *testing.T) {
 		}
 	})
 }
+
+// The lane reads its lease clock (a system call on Linux) once per burst of checks, not once or
+// twice per message: at most once per millisecond and per 64 publishes (leaseclock.go). Counted
+// here over a backlog of one partition, against that bound from the time the whole run took.
+func TestLeaseClockIsReadPerBurst(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-clock"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	const n = 3000
+	f.publish([]string{dev}, n, nil)
+	var reads atomic.Int64
+	pool := f.newPool(lanes.Config{})
+	start := time.Now()
+	stop, _ := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1, Valid: func() bool { reads.Add(1); return true }})
+	f.waitOrDump(pool, "OUTGOING", n, 60*time.Second)
+	got, el := reads.Load(), time.Since(start)
+	stop()
+	bound := n/64 + el.Milliseconds() + 4
+	t.Logf("%d messages in %v: %d readings of the lease clock (bound %d)", n, el, got, bound)
+	if got > bound {
+		t.Fatalf("the lane read its lease clock %d times for %d messages in %v, want at most %d (once per ms and per 64 publishes)", got, n, el, bound)
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -22,6 +23,9 @@ type entry struct {
 	src      jetstream.Msg // the consumed message, to rebuild a dead letter from
 	msg      *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
 	m        nats.Msg      // the message itself, allocated with the entry
+	hdr      nats.Header   // the entry's own header map, cleared and refilled for every message
+	text     []byte        // the bytes of subject, reply, Nats-Msg-Id and revision (see [entry.str])
+	reply    string        // the reply subject: the lane's inbox and seq
 	id       [1]string     // backing of the Nats-Msg-Id header value
 	rev      [1]string     // backing of the KVMapper-Revision header value
 	reason   string        // non-empty when msg is a dead letter
@@ -39,6 +43,26 @@ type entry struct {
 }
 
 func (e *entry) settled() bool { return e.acked || e.err != nil }
+
+// reset clears e for its next message, keeping the header map and the text buffer it owns.
+func (e *entry) reset() {
+	hdr, text := e.hdr, e.text
+	clear(hdr)
+	*e = entry{hdr: hdr, text: text[:0]}
+}
+
+// since returns what was appended to e's text from offset from on, as a string that shares e's
+// bytes: no allocation. That is safe because nothing writes those bytes again until e is reset,
+// after it settled, when nothing refers to its strings any more: nats.go copies subject, reply
+// and header values into its own buffer when it publishes, and e's message, dead letter and
+// header map go with e. (An append that outgrows text moves on to a new array and leaves the old
+// one, and the strings in it, untouched.)
+func (e *entry) since(from int) string {
+	if len(e.text) == from {
+		return ""
+	}
+	return unsafe.String(&e.text[from], len(e.text)-from)
+}
 
 // laneStats are what a lane shows of itself to other goroutines.
 type laneStats struct {
@@ -100,6 +124,8 @@ type lane struct {
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
+	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
+
 	fields   subjects.Fields
 	buf      []byte
 	idPrefix string
@@ -119,12 +145,15 @@ func newLane(p *Pool, a Assignment) *lane {
 		key:      subjects.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
 		timeout:  p.cfg.PublishTimeout,
+		clock:    leaseClock{valid: a.Valid},
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
 		park:     newParking(&p.cfg.Park),
 	}
 }
 
+// valid reads the lease clock. The lane's own goroutine asks l.clock instead, which reads it
+// less often.
 func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 
 func (l *lane) run(ctx context.Context) error {
@@ -179,7 +208,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer tick.Stop()
 	for {
 		l.popSettled()
-		if !l.valid() {
+		if !l.clock.holds() {
 			stopReading()
 			return l.stop(ErrFenced)
 		}
@@ -198,7 +227,7 @@ func (l *lane) run(ctx context.Context) error {
 		if l.held != nil {
 			if l.admit(l.held) {
 				l.held = nil
-			} else if l.failed || !l.valid() {
+			} else if l.failed || !l.clock.holds() {
 				continue
 			}
 		}
@@ -222,11 +251,7 @@ func (l *lane) run(ctx context.Context) error {
 			stopReading()
 			return l.stopped(ctx)
 		case d := <-inc:
-			l.handoff.taken(d.size)
-			// Most of the time there is room: publish now rather than in another round.
-			if e := l.prepare(d); !l.admit(e) {
-				l.held = e
-			}
+			l.take(d, inc)
 		case err := <-l.readErr:
 			stopReading()
 			return l.stop(err)
@@ -236,16 +261,41 @@ func (l *lane) run(ctx context.Context) error {
 			l.parkEvent(ctx, ev)
 		case m := <-l.acks:
 			l.acknowledge(m)
+			l.drainAcks(burst - 1)
 		case r := <-l.cpDone:
 			if err := l.applyCheckpoint(r); err != nil {
 				stopReading()
 				return l.stop(err)
 			}
 		case now := <-tick.C:
-			l.drainAcks()
+			l.drainAcks(-1)
 			l.expire(now)
 			l.startCheckpoint()
 			l.parkTick(ctx, now)
+		}
+	}
+}
+
+// burst is how many deliveries, or acknowledgements, the lane handles in one round of its loop
+// when they are there already: a round costs a select over every channel the lane waits on.
+const burst = handoffLen
+
+// take publishes d and then, while there is room and nothing failed, the deliveries already
+// waiting in in, up to burst in all. A delivery there is no room for is held.
+func (l *lane) take(d delivery, in <-chan delivery) {
+	for n := 1; ; n++ {
+		l.handoff.taken(d.size)
+		if e := l.prepare(d); !l.admit(e) {
+			l.held = e
+			return
+		}
+		if n == burst || l.failed {
+			return
+		}
+		select {
+		case d = <-in:
+		default:
+			return
 		}
 	}
 }
@@ -255,7 +305,7 @@ func (l *lane) run(ctx context.Context) error {
 // are lost, and sending on the new connection first would reorder. Then it gives the room back,
 // fails the old publishes so that they are resent first, and returns false.
 func (l *lane) admit(e *entry) bool {
-	if !l.valid() {
+	if !l.clock.publish(e.cost) {
 		return false // the loop stops the lane
 	}
 	if !l.p.window.take(&l.grant, e.cost) {
@@ -309,7 +359,7 @@ func (l *lane) popSettled() {
 			l.p.mapped.Add(1)
 		}
 		l.backoff = 0
-		*e = entry{}
+		e.reset()
 		l.free = append(l.free, e)
 	}
 	l.p.window.give(&l.grant, n, bytes)
@@ -349,7 +399,7 @@ func (l *lane) stop(why error) error {
 		}
 		h := l.q[0]
 		if h.err != nil || l.failed {
-			if why != nil || !l.valid() {
+			if why != nil || !l.clock.holds() {
 				break // fenced: send nothing more; the next owner resumes after the prefix
 			}
 			l.failed = true
@@ -363,7 +413,7 @@ func (l *lane) stop(why error) error {
 			break
 		}
 	}
-	l.drainAcks()
+	l.drainAcks(-1)
 	l.popSettled()
 	var bytes int64
 	for _, e := range l.q {
@@ -405,11 +455,16 @@ func (l *lane) prepare(d delivery) *entry {
 const maxUint64Digits = 20
 
 // build makes e what to publish for d: the mapped message, or a dead letter with its reason.
+// The strings it publishes live in e's own buffer, and the header map is e's own: a message
+// costs no allocation here (see [entry.since]).
 func (l *lane) build(e *entry, d delivery) {
 	e.seq, e.src, e.msg = d.seq, d.msg, &e.m
 	lay := l.p.cfg.Layout
 	hdr := l.headers(e)
 	e.m.Header, e.m.Data = hdr, d.msg.Data()
+	from := len(e.text)
+	e.text = strconv.AppendUint(append(e.text, l.inbox...), e.seq, 10)
+	e.reply = e.since(from)
 	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
 		hdr[HeaderSubject] = []string{d.msg.Subject()}
 		e.reason = ReasonMalformedSubject
@@ -425,42 +480,50 @@ func (l *lane) build(e *entry, d delivery) {
 	}
 	if reason != "" {
 		e.reason = reason
-		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
-		e.m.Subject = string(l.buf)
+		from = len(e.text)
+		e.text = lay.AppendUnmapped(e.text, &l.fields)
+		e.m.Subject = e.since(from)
 		l.deadHeaders(hdr, reason, "")
 		return
 	}
-	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
-	e.m.Subject = string(l.buf)
+	from = len(e.text)
+	e.text = lay.AppendOut(e.text, &l.fields, group)
+	e.m.Subject = e.since(from)
 	if !l.p.cfg.NoProvenance {
 		hdr[HeaderPartition] = l.partHdr
 		hdr[HeaderEpoch] = l.epochHdr
-		e.rev[0] = strconv.FormatUint(rev, 10)
+		from = len(e.text)
+		e.text = strconv.AppendUint(e.text, rev, 10)
+		e.rev[0] = e.since(from)
 		hdr[HeaderRevision] = e.rev[:]
 	}
 }
 
 const expectedPrefix = "Nats-Expected-"
 
-// headers returns the consumed message's headers, made fit for OUTGOING: the Nats-Expected-*
-// headers addressed INCOMING and are dropped, a device's own Nats-Msg-Id is kept under
-// [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every owner
-// and every retry, so OUTGOING drops anything sent twice.
+// headers fills e's header map with the consumed message's headers, made fit for OUTGOING: the
+// Nats-Expected-* headers addressed INCOMING and are left out, a device's own Nats-Msg-Id is kept
+// under [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
+// owner and every retry, so OUTGOING drops anything sent twice. The consumed message's own map
+// is left as it is; its values are shared, never changed.
 func (l *lane) headers(e *entry) nats.Header {
-	hdr := e.src.Headers()
+	hdr := e.hdr
 	if hdr == nil {
-		hdr = make(nats.Header, 4)
+		hdr = make(nats.Header, 8)
+		e.hdr = hdr
 	}
-	for k := range hdr {
+	for k, v := range e.src.Headers() {
 		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
-			delete(hdr, k)
+			continue
 		}
+		hdr[k] = v
 	}
 	if id, ok := hdr[nats.MsgIdHdr]; ok {
 		hdr[HeaderOrigMsgID] = id
 	}
-	l.buf = strconv.AppendUint(append(l.buf[:0], l.idPrefix...), e.seq, 10)
-	e.id[0] = string(l.buf)
+	from := len(e.text)
+	e.text = strconv.AppendUint(append(e.text, l.idPrefix...), e.seq, 10)
+	e.id[0] = e.since(from)
 	hdr[nats.MsgIdHdr] = e.id[:]
 	return hdr
 }
@@ -510,15 +573,23 @@ func permanent(err error) (reason, why string) {
 		switch {
 		case apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum || apiErr.ErrorCode == errCodeHeaderExceedsMaximum:
 			return ReasonOversized, apiErr.Description
-		case apiErr.Code == 400:
+		case apiErr.Code == 400 || apiErr.ErrorCode == errCodeRollupFailed:
 			// A bad request is about the message (a per-message TTL the stream does not allow,
-			// a counter increment, a schedule...): the same bytes would be refused again.
+			// a counter increment, a schedule...): the same bytes would be refused again. So is
+			// a rollup the stream does not allow or cannot apply, which the server answers 500.
 			return ReasonRejected, apiErr.Description
 		}
 	}
 	return "", ""
 }
 
-// errCodeHeaderExceedsMaximum is nats-server's JSStreamHeaderExceedsMaximumErr, which nats.go
-// has no constant for.
-const errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
+// Error codes of nats-server's refusals of a message that nats.go has no constants for:
+// JSStreamHeaderExceedsMaximumErr (400), and JSStreamRollupFailedF, which the server answers
+// with code 500 although every cause of it is the message's Nats-Rollup header (not allowed on
+// the stream, an invalid value, a rollup a batch cannot take: nats-server 2.15 stream.go and
+// jetstream_batching.go). The server's other 500s and 503s are about the stream or the cluster
+// and may pass; 429 is a full ingest queue.
+const (
+	errCodeHeaderExceedsMaximum jetstream.ErrorCode = 10097
+	errCodeRollupFailed         jetstream.ErrorCode = 10111
+)

@@ -59,7 +59,7 @@ func (l *lane) send(e *entry, gen uint64) {
 	e.acked, e.duplicate, e.err = false, false, nil
 	e.gen = gen
 	e.sent = time.Now()
-	e.msg.Reply = l.inbox + strconv.FormatUint(e.seq, 10)
+	e.msg.Reply = e.reply
 	if err := l.p.nc.PublishMsg(e.msg); err != nil {
 		e.err = err
 		l.failed = true
@@ -73,9 +73,10 @@ func (l *lane) send(e *entry, gen uint64) {
 	}
 }
 
-// drainAcks applies the acknowledgements already queued, without waiting.
-func (l *lane) drainAcks() {
-	for {
+// drainAcks applies the acknowledgements already queued, without waiting, at most limit of them
+// (limit < 0: all).
+func (l *lane) drainAcks(limit int) {
+	for ; limit != 0; limit-- {
 		select {
 		case m := <-l.acks:
 			l.acknowledge(m)
@@ -199,7 +200,7 @@ func (l *lane) expire(now time.Time) {
 // ctx ends first.
 func (l *lane) settle(ctx context.Context) error {
 	for {
-		l.drainAcks()
+		l.drainAcks(-1)
 		l.expire(time.Now())
 		unsettled := false
 		for _, e := range l.q {

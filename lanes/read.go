@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -17,12 +19,15 @@ import (
 
 // read consumes the lane's partition from its stream (INCOMING filtered, or INCOMING-<p>) in
 // stream order, starting at sequence next, and hands each message to out until ctx is done. It
-// reads through one consumer at a time (see [lane.consume]) and creates a new one from the last
-// sequence it handed on whenever that one fails: a gap, missed heartbeats (its server died), a
-// deleted consumer, a stream deleted.
+// reads through one consumer at a time (see [lane.consume]), each from the sequence after the
+// last it handed on; when one fails — a gap, a missed heartbeat (its server died), a consumer
+// deleted, a reconnect that lost it, a refused request, a creation nobody answered — it creates
+// the next at once, and after a failure that read nothing since the one before, with backoff and
+// a warning.
 func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	backoff := l.p.cfg.RetryBackoff
 	create, timeouts := consumerCreateTimeout, 0
+	var failed time.Time // when the last consumer failed
 	for ctx.Err() == nil {
 		from := next
 		err := l.consume(ctx, &next, out, create)
@@ -40,19 +45,22 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		if ctx.Err() != nil {
 			return
 		}
-		if next != from {
-			backoff = l.p.cfg.RetryBackoff // it read again since the last failure
-		}
 		if errors.Is(err, ErrIncomingRecreated) {
 			select {
 			case l.readErr <- err: // the lane stops on it
-			default: // watchIncarnation reported it first
+			case <-ctx.Done():
 			}
 			return
 		}
-		if errors.Is(err, errReaderGap) {
-			continue // at once: nothing is wrong with the stream
+		now := time.Now()
+		if next != from || now.Sub(failed) > l.p.cfg.MaxRetryBackoff {
+			// It read since the last failure, or that was long ago: the reset an ordered
+			// consumer makes after a gap or a reconnect, made at once and quietly.
+			failed, backoff = now, l.p.cfg.RetryBackoff
+			l.log.Debug().Err(err).Uint64("next", next).Msg("consumer reset")
+			continue
 		}
+		failed = now
 		l.p.warn("consume", func(e *zerolog.Event) {
 			e.Int("partition", l.a.Partition).Err(err).Uint64("next", next).
 				Str("stream", l.stream).Msg("consuming INCOMING failed; retrying (on a cluster this is expected for a few seconds after a server died; if it persists, check that the stream exists: kvmapper setup)")
@@ -68,9 +76,9 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 	}
 }
 
-// errReaderGap reports a consumer that skipped a delivery (lost in a reconnect): the lane reads
-// on through a new one from the last sequence it handed on.
-var errReaderGap = errors.New("lanes: a delivery of the consumer was lost")
+// errGap marks a consumer that skipped a delivery: a message lost on the way (a reconnect, a
+// slow subscription), which the next consumer reads again.
+var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 
 // consumerCreateTimeout bounds the creation of a lane's consumer at first. On a cluster, the
 // meta leader takes a crashed server for offline only once its heartbeats have been missing for
@@ -78,8 +86,8 @@ var errReaderGap = errors.New("lanes: a delivery of the consumer was lost")
 // meanwhile on that server, which never answers: the lane gives up on it after this and creates
 // another, under another name, placed again. From the second creation in a row that times out,
 // each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
-// answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by default, retries
-// the same name for ever.)
+// answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by
+// default, retries the same name for ever.)
 const (
 	consumerCreateTimeout    = 2 * time.Second
 	maxConsumerCreateTimeout = 10 * time.Second
@@ -99,15 +107,29 @@ const resetAttempts = 1
 // lane could not delete it (its process died).
 const consumerInactive = time.Minute
 
-// consume reads the lane's partition through one ephemeral, unacknowledged, in-memory consumer
-// that starts at *next, as nats.go's ordered consumer does, but under a name of its own and with
-// a bounded creation: it returns when the consumer fails in any way, and read creates the next
-// one. Each delivery's consumer sequence must follow the last one's; a gap (a delivery lost in a
-// reconnect) ends the consumer. It deletes its consumer on the way out.
+// consume creates one consumer on the lane's stream from *next on — ephemeral, unacknowledged,
+// in memory, one replica, as nats.go's ordered consumer makes them — reads it and hands its
+// messages to out, in order, until ctx is done (it returns nil) or the consumer fails (it
+// returns why; read then creates the next from *next). It deletes the consumer before it
+// returns. One at a time: the next consumer is created only once this one's callback can hand
+// nothing on any more, so two consumers' messages never race for the hand-off. (nats.go's
+// ordered consumer recreates itself while a callback of the consumer it replaces may still be
+// waiting for the hand-off, and a later message of the new one can then overtake it.) Every
+// consumer has a name of its own: on a cluster, a consumer created within seconds of a server's
+// crash can be placed on that server (see [consumerCreateTimeout]), and a create under a name
+// placed there waits for an answer that never comes; the creation gives up after
+// createTimeout.
+//
+// The messages come to a Consume callback on the subscription's own goroutine, which blocks
+// while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
+// only once the callback has returned for every message of the last one), so it holds at most
+// one request's worth, PullBatch messages and pullBytes bytes. A callback costs one allocation
+// per message where the iterator's Next cost five (its options, a heartbeat monitor, its timer
+// and closure, the message wrapper: BENCHMARKS-fastbatch.md, section 3).
 func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, createTimeout time.Duration) error {
-	name := "kvmapper_" + strconv.Itoa(l.a.Partition) + "_" + nats.NewInbox()[len(nats.InboxPrefix):]
 	cfg := jetstream.ConsumerConfig{
-		Name:              name,
+		// kvmapper_<p>_<random>: the partition shows in `nats consumer ls`.
+		Name:              "kvmapper_" + strconv.Itoa(l.a.Partition) + "_" + strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix),
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:       *next,
 		AckPolicy:         jetstream.AckNonePolicy,
@@ -121,69 +143,121 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	cons, err := l.p.js.CreateConsumer(cctx, l.stream, cfg)
 	timedOut := cctx.Err() != nil && ctx.Err() == nil
 	cancel()
-	defer func() {
-		// Also when the create timed out: it may have been applied after all.
-		dctx, cancel := context.WithTimeout(context.Background(), consumerCreateTimeout)
-		_ = l.p.js.DeleteConsumer(dctx, l.stream, name)
-		cancel()
-	}()
+	// Also when the create timed out: it may have been applied after all.
+	defer l.deleteConsumer(cfg.Name)
 	if err != nil && timedOut {
 		return fmt.Errorf("%w on %s within %v: %w", errCreateTimedOut, l.stream, createTimeout, err)
 	}
 	if err != nil {
 		return fmt.Errorf("creating a consumer on %s: %w", l.stream, err)
 	}
-	// One pull request at a time, sent when everything of the last one has been read: the
-	// consumer then holds at most one request's worth, PullBatch messages and pullBytes bytes.
-	// (With requests bounded in bytes, the server ends each with a status message, which takes
-	// a slot of the consumer's buffer, sized for the messages alone: a second request open
-	// while the reader waits for the lane would overflow it, and nats.go would drop a message
-	// as a slow consumer.)
-	it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(l.p.cfg.PullBatch, l.p.pullBytes),
+	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
+	r.ctx, r.cancel = context.WithCancel(ctx)
+	defer r.cancel()
+	// One pull request at a time, sent when everything of the last one has been handed on.
+	cc, err := cons.Consume(r.handle,
+		jetstream.PullMaxMessagesWithBytesLimit(l.p.cfg.PullBatch, l.p.pullBytes),
 		jetstream.PullThresholdMessages(1), jetstream.PullHeartbeat(l.p.cfg.Heartbeat),
-		jetstream.WithMessagesErrOnMissingHeartbeat(true))
+		jetstream.ConsumeErrHandler(r.consumeErr))
 	if err != nil {
 		return err
 	}
-	defer it.Stop()
-	stop := context.AfterFunc(ctx, it.Stop)
-	defer stop()
-	var delivered uint64
-	for {
-		m, err := it.Next()
-		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) && ctx.Err() != nil {
-				return nil
-			}
-			return err
+	var why error
+	select {
+	case <-ctx.Done():
+	case why = <-r.failed:
+	}
+	r.finish()
+	cc.Stop()
+	return why
+}
+
+// deleteConsumer deletes a consumer consume is done with, rather than leave it on the server
+// until its inactive threshold. It does not matter when it fails: the server removes it then.
+func (l *lane) deleteConsumer(name string) {
+	ctx, cancel := context.WithTimeout(context.Background(), consumerCreateTimeout)
+	defer cancel()
+	_ = l.p.js.DeleteConsumer(ctx, l.stream, name)
+}
+
+// reader is one consumer's callback state. The mutex, held through the hand-off, orders the
+// callback against finish: after finish returns, no call hands anything on.
+type reader struct {
+	l      *lane
+	ctx    context.Context // ends with finish: a call waiting for the hand-off gives up
+	cancel context.CancelFunc
+	failed chan error // capacity 1: why the consumer failed, the first reason only
+
+	mu   sync.Mutex
+	next *uint64 // the sequence to hand on next; read's, written only here until finish
+	out  chan<- delivery
+	dseq uint64 // the consumer sequence of the last message handed on
+	done bool
+}
+
+// fail reports why the consumer cannot go on. It never blocks.
+func (r *reader) fail(err error) {
+	select {
+	case r.failed <- err:
+	default:
+	}
+}
+
+// consumeErr receives what the consumer reports: everything ends it but a new leader of the
+// consumer, after which nats.go asks again (anything that new leader lost shows as a gap).
+func (r *reader) consumeErr(_ jetstream.ConsumeContext, err error) {
+	if errors.Is(err, jetstream.ErrConsumerLeadershipChanged) {
+		return
+	}
+	r.fail(err)
+}
+
+// finish stops the callback for good; consume calls it before it returns.
+func (r *reader) finish() {
+	r.cancel()
+	r.mu.Lock()
+	r.done = true
+	r.mu.Unlock()
+}
+
+func (r *reader) handle(m jetstream.Msg) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		return
+	}
+	l := r.l
+	ack, ok := subjects.ParseAck(m.Reply())
+	switch {
+	case !ok:
+		r.done = true
+		r.fail(errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply())))
+		return
+	case ack.ConsumerSeq != r.dseq+1 || ack.StreamSeq < *r.next:
+		r.done = true
+		r.fail(fmt.Errorf("%w: delivery %d after %d, stream sequence %d from %d on", errGap, ack.ConsumerSeq, r.dseq, ack.StreamSeq, *r.next))
+		return
+	case ack.ConsumerSeq == 1:
+		// The first message of a consumer. INCOMING may have been deleted and created again
+		// since the lane fenced its checkpoint (that ends a consumer): a consumer of the new
+		// stream at the old position would skip the new stream's first messages.
+		if err := l.checkIncarnation(r.ctx); err != nil {
+			r.done = true
+			r.fail(err)
+			return
 		}
-		ack, ok := subjects.ParseAck(m.Reply())
-		if !ok {
-			return errors.New("lanes: cannot read the stream sequence from reply subject " + strconv.Quote(m.Reply()))
-		}
-		if ack.ConsumerSeq != delivered+1 {
-			return fmt.Errorf("%w: delivery %d after %d", errReaderGap, ack.ConsumerSeq, delivered)
-		}
-		delivered = ack.ConsumerSeq
-		if delivered == 1 {
-			// The first message of a consumer. A consumer is created again after a failure,
-			// which is what deleting INCOMING causes; one created on a new INCOMING would go on
-			// at the old position, skipping the new stream's first messages.
-			if err := l.checkIncarnation(ctx); err != nil {
-				return err
-			}
-		}
-		d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
-		if !l.handoff.wait(ctx, d.size, int64(l.p.pullBytes)) {
-			return nil
-		}
-		select {
-		case out <- d:
-			*next = ack.StreamSeq + 1
-			l.stats.pending.Store(ack.Pending)
-		case <-ctx.Done():
-			return nil
-		}
+	}
+	d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
+	if !l.handoff.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
+		return
+	}
+	select {
+	case r.out <- d:
+		r.dseq = ack.ConsumerSeq
+		*r.next = ack.StreamSeq + 1
+		l.stats.pending.Store(ack.Pending)
+	case <-r.ctx.Done():
+		l.handoff.taken(d.size) // not handed on after all
 	}
 }
 

@@ -69,7 +69,7 @@ func (l *lane) recover(ctx context.Context) error {
 		if e.acked {
 			continue
 		}
-		if !l.valid() || errors.Is(context.Cause(ctx), ErrFenced) {
+		if !l.clock.publish(e.cost) || errors.Is(context.Cause(ctx), ErrFenced) {
 			return ErrFenced
 		}
 		if l.p.generation() != gen {
@@ -114,7 +114,7 @@ func unanswered(err error) bool {
 // waits nothing else is sent.
 func (l *lane) probed(ctx context.Context, e *entry) bool {
 	for !e.settled() {
-		if !l.valid() {
+		if !l.clock.holds() {
 			return false
 		}
 		if err := l.wait(ctx); err != nil {
