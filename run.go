@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/direct"
@@ -86,9 +88,21 @@ func setupCommand() *cli.Command {
 			defer nc.Close()
 			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 			defer cancel()
+			auto := scfg.StreamLayout == subjects.AutoLayout
+			choice, err := setup.ChooseLayout(ctx, js, scfg)
+			if err != nil {
+				return err
+			}
+			scfg.StreamLayout = choice.Layout
+			if auto && scfg.Mode == setup.ModeStream {
+				fmt.Fprintf(c.App.Writer, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
+			}
 			lines, err := setup.Ensure(ctx, js, scfg)
 			for _, l := range lines {
 				fmt.Fprintln(c.App.Writer, l)
+			}
+			if err == nil && choice.Faster != "" {
+				fmt.Fprintf(c.App.Writer, "\n%s.\n\n%s", choice.Faster, setup.MappingConfig(scfg.Layout))
 			}
 			return err
 		},
@@ -155,8 +169,10 @@ func runAction(c *cli.Context) error {
 	context.AfterFunc(ctx, stop)
 
 	servers := c.String("server")
+	var srv *server.Server
 	if c.Bool("embedded") {
-		srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
+		var url string
+		srv, url, err = startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
 		if err != nil {
 			return err
 		}
@@ -165,6 +181,7 @@ func runAction(c *cli.Context) error {
 			srv.WaitForShutdown()
 		}()
 		servers = url
+		scfg.CallerSetsMapping = true
 		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
@@ -180,6 +197,9 @@ func runAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := chooseRunLayout(ctx, js, &scfg, srv, log); err != nil {
+		return err
+	}
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:      id,
 		Version: version,
@@ -227,6 +247,39 @@ func runAction(c *cli.Context) error {
 	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
 		Uint64("retries", st.Retries).Msg("replica stopped")
 	return err
+}
+
+// chooseRunLayout resolves the stream layout of run (setup.ChooseLayout) into cfg and logs it,
+// once. An embedded server (srv not nil) started without the partition streams' mapping when
+// --layout was auto: it gets the mapping now if they are chosen, before setup probes it. Until
+// then, for the few milliseconds since it started listening, a device's message reaches no
+// stream, as during any restart.
+func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *server.Server, log zerolog.Logger) error {
+	if cfg.Mode == setup.ModeDirect {
+		// Direct mode keeps no INCOMING: nothing to choose, and nothing to log.
+		c, err := setup.ChooseLayout(ctx, js, *cfg)
+		cfg.StreamLayout = c.Layout
+		return err
+	}
+	given := mappings(*cfg) != nil
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	choice, err := setup.ChooseLayout(cctx, js, *cfg)
+	if err != nil {
+		return err
+	}
+	cfg.StreamLayout = choice.Layout
+	if srv != nil && !given && choice.Layout == subjects.PartitionStreams {
+		if err := srv.GlobalAccount().AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
+			return fmt.Errorf("embedded NATS server: mapping %s → %s: %w", cfg.Layout.MappingSource(), cfg.Layout.MappingDest(), err)
+		}
+	}
+	ev := log.Info().Str("layout", string(choice.Layout)).Str("why", choice.Why)
+	if choice.Faster != "" {
+		ev = ev.Str("faster", choice.Faster)
+	}
+	ev.Msg("stream layout")
+	return nil
 }
 
 // mappings returns the account subject mappings cfg needs from the server: the partitioning
