@@ -69,7 +69,10 @@ func setupCommand() *cli.Command {
 		Name:  "setup",
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
-			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
+			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.\n" +
+			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
+			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
+			"where every other command reads it.",
 		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}, parkFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
