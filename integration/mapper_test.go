@@ -313,11 +313,17 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld.publish(devs, 150)
 	backlog := ld.total()
 	w := e.tapWire()
-	m := e.startMapper("m1", "--metrics-listen", "127.0.0.1:0")
+	// The mapper reaches the server through a proxy, so that the restart strikes with publishes
+	// in flight: a server shutting down gracefully answers everything it has read, and one
+	// restarted at a random moment often left the lanes nothing to resend (the test then proved
+	// nothing). Here, the moment the mapper has sent a thousand of the backlog, the proxy stops
+	// forwarding what it sends; once it has sent 64 KiB more, the server restarts, and what the
+	// proxy held is lost with the connection, as it is when a server dies with unread input.
+	px := newProxy(t, "127.0.0.1:"+strconv.Itoa(e.srv.Port()))
+	m := e.startMapper("m1", "--server", px.URL(), "--metrics-listen", "127.0.0.1:0")
 	metrics := m.metricsURL()
-	// Restart the server the moment the mapper has sent a thousand of the backlog: its lanes
-	// have thousands of publishes in flight then, whose acknowledgements the restart loses.
 	w.await(1000, 60*time.Second)
+	held := px.Hold(64<<10, 30*time.Second)
 	e.srv = e.srv.Restart()
 	atRestart := w.count()
 	natstest.Eventually(t, 10*time.Second, func() error {
@@ -330,13 +336,12 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld.publish(devs, 50)
 	want := each(devs, 200)
 	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
-	// The restart must have hit publishes in flight: they failed and were resent. A restart
-	// when everything was already mapped would leave both counters at zero.
+	// The restart must have hit publishes in flight: they failed and were resent.
 	failures := metric(t, metrics, "kvmapper_publish_failures_total")[""]
 	retries := metric(t, metrics, "kvmapper_publish_retries_total")[""]
-	t.Logf("restart after %d of the %d-message backlog had been sent: %v publish failures, %v messages resent", atRestart, backlog, failures, retries)
-	if failures == 0 || retries == 0 {
-		t.Errorf("kvmapper_publish_failures_total = %v, kvmapper_publish_retries_total = %v, want both > 0: the restart hit no publish in flight, so this test proved nothing", failures, retries)
+	t.Logf("restart after %d of the %d-message backlog had been sent and %d bytes more lost with the connection: %v publish failures, %v messages resent", atRestart, backlog, held, failures, retries)
+	if held < 64<<10 || failures == 0 || retries == 0 {
+		t.Errorf("%d bytes lost with the connection, kvmapper_publish_failures_total = %v, kvmapper_publish_retries_total = %v, want 64 KiB and both > 0: the restart hit no publish in flight, so this test proved nothing", held, failures, retries)
 	}
 	m.stop()
 }
