@@ -125,27 +125,18 @@ func (s *Server) JetStream(t testing.TB, opts ...nats.Option) (*nats.Conn, jetst
 }
 
 // Eventually calls f every tick until it returns nil or the timeout passes, then fails the test
-// with f's last error. It and [Within] are the tests' only ways to wait for a state that arrives
-// asynchronously.
+// with f's last error. It is the tests' only way to wait for a state that arrives asynchronously.
 func Eventually(t testing.TB, timeout time.Duration, f func() error) {
 	t.Helper()
-	var err error
-	if !Within(timeout, func() bool { err = f(); return err == nil }) {
-		t.Fatalf("condition not met within %v: %v", timeout, err)
-	}
-}
-
-// Within calls f every tick, as Eventually does, until it returns true or the timeout passes,
-// and reports whether it did: for a test that does something else when the state never comes.
-func Within(timeout time.Duration, f func() bool) bool {
 	deadline := time.Now().Add(timeout)
 	tick := 10 * time.Millisecond
 	for {
-		if f() {
-			return true
+		err := f()
+		if err == nil {
+			return
 		}
 		if time.Now().After(deadline) {
-			return false
+			t.Fatalf("condition not met within %v: %v", timeout, err)
 		}
 		timer := time.NewTimer(tick)
 		<-timer.C
