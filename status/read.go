@@ -264,7 +264,7 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
 		s, st, err := readStream(ctx, js, name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			return nil, fmt.Errorf("%w (in direct mode there is none: a replica run with --mode direct, or `kvmapper setup --mode direct`, marks the control bucket %s so, or pass --mode direct)",
+			return nil, fmt.Errorf("%w (in direct mode there is none: a replica or `kvmapper setup` run with --mode direct marks the control bucket %s so, which status reads; or pass --mode direct)",
 				err, cfg.Control)
 		}
 		if err != nil {
@@ -284,7 +284,7 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 	return streams, nil
 }
 
-// readStream returns the stream name and its state.
+// readStream opens stream name and returns it with its state.
 func readStream(ctx context.Context, js jetstream.JetStream, name string) (jetstream.Stream, Stream, error) {
 	s, err := js.Stream(ctx, name)
 	if err != nil {
