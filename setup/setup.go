@@ -284,7 +284,8 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 			LimitMarkerTTL: cfg.LimitMarkerTTL,
 		})
 		if err == nil {
-			return fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control), nil
+			line := fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control)
+			return markMode(ctx, js, cfg, line)
 		}
 		if perr := placementError("bucket "+cfg.Control, cfg.Replicas, err); perr != nil {
 			return "", perr
@@ -305,7 +306,7 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 		return "", fmt.Errorf("%w: bucket %s was created without LimitMarkerTTL, which lease expiry needs: remove it (`nats kv rm %s`, checkpoints are lost and partitions restart from the beginning of INCOMING) and run kvmapper setup, or name another with --control-bucket",
 			ErrMismatch, cfg.Control, cfg.Control)
 	}
-	return fmt.Sprintf("bucket %s ok", cfg.Control), nil
+	return markMode(ctx, js, cfg, fmt.Sprintf("bucket %s ok", cfg.Control))
 }
 
 // placementError explains, for a create that failed because the servers cannot hold replicas
