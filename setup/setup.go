@@ -55,7 +55,7 @@ type Config struct {
 	Park *ParkConfig
 	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
 	// partition streams' leaderships until every server leads P/N of them, give or take one,
-	// as the streams' replicas allow. It is best effort and bounded (10 s): what fails is a
+	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
 	// report line beginning "warning:", never an error. `kvmapper setup` sets it; a replica's
 	// own setup does not, so that replicas starting together, or restarting under load, move
 	// no leaderships.
