@@ -281,7 +281,12 @@ func stepDown(ctx context.Context, js jetstream.JetStream, stream, to string) er
 	}
 	rctx, cancel := context.WithTimeout(ctx, spreadRequestTimeout)
 	defer cancel()
-	resp, err := js.Conn().RequestWithContext(rctx, apiPrefix(js)+"STREAM.LEADER.STEPDOWN."+stream, body)
+	subject := apiPrefix(js) + "STREAM.LEADER.STEPDOWN." + stream
+	resp, err := js.Conn().RequestWithContext(rctx, subject, body)
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+		// A leader always answers, even to refuse: silence is most often a permission.
+		return fmt.Errorf("no answer within %v: may this user publish to %s? (README, Least privilege)", spreadRequestTimeout, subject)
+	}
 	if err != nil {
 		return err
 	}

@@ -201,3 +201,59 @@ func formatCounts(counts map[string]int) string {
 	}
 	return strings.Join(parts, ", ")
 }
+
+// TestEnsureWarnsWhenLeadersCannotMove runs setup as a user who may not ask for a step-down:
+// spreading fails, and Ensure says so in a warning line naming what to run by hand, and
+// succeeds, since the streams work wherever they are led.
+func TestEnsureWarnsWhenLeadersCannotMove(t *testing.T) {
+	cfg := streamsConfig(t, 16)
+	cfg.Replicas = 3
+	cfg.Defaults()
+	lay := cfg.Layout
+	c := natstest.StartCluster(t, 3, func(o *server.Options) {
+		acc := server.NewAccount(server.DEFAULT_GLOBAL_ACCOUNT)
+		if err := acc.AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
+			t.Fatal(err)
+		}
+		o.Accounts = []*server.Account{acc}
+		o.Users = []*server.User{
+			{Username: "admin", Password: "admin", Account: acc},
+			{Username: "setup", Password: "setup", Account: acc, Permissions: &server.Permissions{
+				Publish: &server.SubjectPermission{Allow: []string{">"}, Deny: []string{"$JS.API.STREAM.LEADER.STEPDOWN.>"}},
+			}},
+		}
+	})
+	admin := c.Connect(t, 0, nats.UserInfo("admin", "admin"))
+	ajs, err := jetstream.New(admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if _, err := setup.Ensure(ctx, ajs, cfg); err != nil {
+		t.Fatalf("Ensure: %v", err)
+	}
+	skew(t, c, admin, cfg, 0)
+
+	js, err := jetstream.New(c.Connect(t, 0, nats.UserInfo("setup", "setup"), nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.BalanceLeaders = true
+	lines, err := setup.Ensure(ctx, js, cfg)
+	if err != nil {
+		t.Fatalf("Ensure(BalanceLeaders) without the step-down permission = %v, want success with a warning", err)
+	}
+	said := lines[len(lines)-1]
+	t.Log(said)
+	for _, want := range []string{"warning: the partition streams' leaders may not be spread over the servers (leaders now n0 16, n1 0, n2 0): asking INCOMING-",
+		"no answer within 2s: may this user publish to $JS.API.STREAM.LEADER.STEPDOWN.INCOMING-",
+		"setup goes on", "`nats stream cluster step-down INCOMING-"} {
+		if !strings.Contains(said, want) {
+			t.Errorf("Ensure(BalanceLeaders)'s last line %q, want it to say %q", said, want)
+		}
+	}
+	if got := partitionLeaders(t, c, cfg); got["n0"] != 16 {
+		t.Errorf("leaders %v after a refused spread, want all 16 still on n0", got)
+	}
+}
