@@ -68,13 +68,17 @@ func setupCommand() *cli.Command {
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
 			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}, parkFlags()),
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag(),
+			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them, instead of spreading them over the servers (--layout streams on a cluster)", EnvVars: env("NO_BALANCE_LEADERS")},
+		}, parkFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
 				return err
 			}
 			scfg, log := cm.setup, cm.log
+			// Only this command moves leaderships; a replica's own setup leaves them.
+			scfg.BalanceLeaders = !c.Bool("no-balance-leaders")
 			s, err := connSettings(c)
 			if err != nil {
 				return err

@@ -53,6 +53,13 @@ type Config struct {
 	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
 	// leaves it alone.
 	Park *ParkConfig
+	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
+	// partition streams' leaderships until every server leads P/N of them, give or take one,
+	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
+	// report line beginning "warning:", never an error. `kvmapper setup` sets it; a replica's
+	// own setup does not, so that replicas starting together, or restarting under load, move
+	// no leaderships.
+	BalanceLeaders bool
 }
 
 // DefaultGroupsHistory is the values per key of a groups bucket created without GroupsHistory.
@@ -82,8 +89,9 @@ func (c *Config) Defaults() {
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
-// bucket saying which it did. It changes nothing that exists. Safe to run any number of times
-// and from several replicas at once.
+// bucket saying which it did. It changes nothing that exists, but for the servers that lead the
+// partition streams with [Config.BalanceLeaders] (and then one more line). Safe to run any
+// number of times and from several replicas at once.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
 	cfg.Defaults()
 	if cfg.Layout == nil {
@@ -122,12 +130,17 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
+	if cfg.BalanceLeaders && cfg.Mode == ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
+		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
+	}
 	for _, step := range steps {
 		line, err := step()
 		if err != nil {
 			return report, err
 		}
-		report = append(report, line)
+		if line != "" {
+			report = append(report, line)
+		}
 	}
 	return report, nil
 }

@@ -111,6 +111,7 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	s.writeLeaderCounts(w)
 	return s.writeReplication(w)
 }
 
