@@ -73,13 +73,17 @@ func setupCommand() *cli.Command {
 			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
 			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
 			"where every other command reads it.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag()}, parkFlags()),
+		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag(),
+			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them, instead of spreading them over the servers (--layout streams on a cluster)", EnvVars: env("NO_BALANCE_LEADERS")},
+		}, parkFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
 				return err
 			}
 			scfg, log := cm.setup, cm.log
+			// Only this command moves leaderships; a replica's own setup leaves them.
+			scfg.BalanceLeaders = !c.Bool("no-balance-leaders")
 			s, err := connSettings(c)
 			if err != nil {
 				return err

@@ -14,6 +14,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 )
 
@@ -25,7 +26,9 @@ func statusCommand() *cli.Command {
 			"(leases, members, checkpoints), INCOMING and the groups bucket, and asks each replica for its\n" +
 			"report on its status endpoint (the \"kvmapper\" NATS micro service). A partition's lag comes from\n" +
 			"its owner's report, else it is counted in INCOMING after the partition's checkpoint. The rate is\n" +
-			"the progress between two samples --rate-window apart (or between refreshes with --watch).\n\n" +
+			"the progress between two samples --rate-window apart (or between refreshes with --watch).\n" +
+			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING: it shows\n" +
+			"OUTGOING and UNMAPPED instead, and each partition's lag as its owner reports it.\n\n" +
 			"   kvmapper status --watch     refresh every --interval\n" +
 			"   kvmapper status --json      one JSON document (with --watch: one per line)",
 		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
@@ -74,6 +77,7 @@ func statusAction(c *cli.Context) error {
 		Layout:  lay,
 		Names:   scfg.Names,
 		Timeout: c.Duration("timeout"),
+		Direct:  scfg.Mode == setup.ModeDirect,
 	}
 	read := func(prev *status.Snapshot) (*status.Snapshot, error) {
 		rctx, cancel := context.WithTimeout(ctx, c.Duration("timeout")+10*time.Second)

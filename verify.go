@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/audit"
 	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -27,7 +28,9 @@ func verifyCommand() *cli.Command {
 			"device's messages are in INCOMING order within each stream, and no partition's epoch goes back\n" +
 			"(a deposed owner's write). Messages held in PARKED (--on-unmapped park) count as parked, not\n" +
 			"missing. Exits 0 when all holds, 1 with a report when not. Messages another\n" +
-			"publisher wrote (no kvmapper Nats-Msg-Id) are reported as foreign but do not fail the audit.\n\n" +
+			"publisher wrote (no kvmapper Nats-Msg-Id) are reported as foreign but do not fail the audit.\n" +
+			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING to audit\n" +
+			"against: verify refuses and says what to check instead.\n\n" +
 			"   Against a mapper still catching up:  kvmapper verify --wait 30s",
 		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
 			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON", EnvVars: env("JSON")},
@@ -77,6 +80,7 @@ func verifyAction(c *cli.Context) error {
 		Names:       scfg.Names,
 		Wait:        wait,
 		MaxFindings: maxFindings,
+		Direct:      scfg.Mode == setup.ModeDirect,
 		Progress: func(read uint64) {
 			if time.Since(lastLog) >= 2*time.Second {
 				lastLog = time.Now()
@@ -85,7 +89,7 @@ func verifyAction(c *cli.Context) error {
 		},
 	})
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return fmt.Errorf("verify: %w (wrong server or stream names? kvmapper setup creates the streams)", err)
+		return fmt.Errorf("verify: %w (wrong server or stream names? kvmapper setup creates the streams; in direct mode there is no INCOMING, and nothing to verify)", err)
 	}
 	if err != nil {
 		return fmt.Errorf("verify: %w", err)

@@ -2,6 +2,7 @@ package audit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -50,6 +51,10 @@ type Config struct {
 	// Progress, if set, is called with the number of output messages read so far, about every
 	// 64k messages and once at the end. Calls are serialised; it must not block for long.
 	Progress func(read uint64)
+	// Direct says the deployment runs in direct mode: Run refuses at once with [ErrDirectMode].
+	// Without it, Run refuses so when INCOMING does not exist and the control bucket says direct
+	// mode ([subjects.ModeKey]).
+	Direct bool
 }
 
 // Finding is one example of something wrong (or foreign) in the outputs.
@@ -105,7 +110,8 @@ func (r *Report) OK() bool {
 }
 
 // Run audits the outputs against INCOMING and returns the report; it returns an error only when
-// it could not complete the audit (a stream missing, a lost connection, ctx done).
+// it could not complete the audit (a stream missing, a lost connection, ctx done), or one
+// wrapping [ErrDirectMode] for a deployment in direct mode, which has no INCOMING.
 //
 // It takes INCOMING's state first (FirstSeq..LastSeq and the deleted sequences), then reads
 // OUTGOING and then UNMAPPED with ordered consumers from their first message up to their last
@@ -128,6 +134,9 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 	cfg.MaxFindings = max(cfg.MaxFindings, 0)
 	if cfg.Wait < 0 {
 		return nil, fmt.Errorf("%w: Wait %v is negative", ErrInvalidConfig, cfg.Wait)
+	}
+	if cfg.Direct {
+		return nil, directMode(cfg, "")
 	}
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -238,6 +247,9 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 	var missing uint64
 	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
 		src, err := openSource(ctx, js, name, cfg.StreamLayout != subjects.PartitionStreams)
+		if errors.Is(err, jetstream.ErrStreamNotFound) && markedDirect(ctx, js, cfg.Control) {
+			return nil, directMode(cfg, fmt.Sprintf(" (key %s of the control bucket %s says so)", subjects.ModeKey, cfg.Control))
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -262,4 +274,33 @@ func (a *auditor) progress(n uint64, now bool) {
 	if now || before>>16 != a.progressRead>>16 {
 		a.cfg.Progress(a.progressRead)
 	}
+}
+
+// markedDirect reports whether the control bucket says the deployment runs in direct mode. It is
+// asked only once INCOMING is found missing, so that an audit in stream mode needs no permission
+// to read the bucket's keys; a bucket that cannot be read within markTimeout says nothing.
+func markedDirect(ctx context.Context, js jetstream.JetStream, control string) bool {
+	ctx, cancel := context.WithTimeout(ctx, markTimeout)
+	defer cancel()
+	ctl, err := js.KeyValue(ctx, control)
+	if err != nil {
+		return false
+	}
+	e, err := ctl.Get(ctx, subjects.ModeKey)
+	return err == nil && string(e.Value()) == subjects.DirectMode
+}
+
+// markTimeout bounds the read of the control bucket's mode key: a user not allowed to read it
+// gets no answer at all.
+const markTimeout = 5 * time.Second
+
+// directMode is the refusal to audit a deployment in direct mode; where says how Run knows.
+func directMode(cfg Config, where string) error {
+	return fmt.Errorf("%w: the deployment runs in direct mode%s. Devices publish straight to the replicas, whose "+
+		"republish to %s (or %s) is what acknowledges them: nothing records what they sent before that, so there "+
+		"is nothing to audit %s against. Check instead: each publisher's PubAcks (a message is stored once it is "+
+		"acknowledged, and one that got no PubAck must be resent with the same Nats-Msg-Id until it does), %s's "+
+		"deduplication of those resends (its duplicate window must outlast the publishers' retries: `nats stream "+
+		"info %s`), the KVMapper-Reason of what %s holds, and `kvmapper status`",
+		ErrDirectMode, where, cfg.Outgoing, cfg.Unmapped, cfg.Outgoing, cfg.Outgoing, cfg.Outgoing, cfg.Unmapped)
 }

@@ -64,7 +64,9 @@ type Elector struct {
 	holders  map[int]*holder
 	failures map[int]int       // consecutive Work failures per partition
 	cooldown map[int]time.Time // no claim before this time
-	settle   settle
+	// unanswered are the claims whose outcome is not known yet, by partition (see claim).
+	unanswered map[int]unanswered
+	settle     settle
 }
 
 // settle tracks the start-up wait for the member set to settle; owned by the loop goroutine.
@@ -104,6 +106,7 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		holders:       make(map[int]*holder),
 		failures:      make(map[int]int),
 		cooldown:      make(map[int]time.Time),
+		unanswered:    make(map[int]unanswered),
 	}
 	e.owned.Store(&[]int{})
 	return e, nil
@@ -221,8 +224,8 @@ func (e *Elector) kickLoop() {
 
 // reconcile compares the view with the desired ownership computed by [Plan]: it asks holders of
 // partitions beyond this replica's quota to hand over, claims free partitions up to the quota,
-// and claims any partition unowned longer than Grace. It returns when it next needs to run (zero
-// if only events matter).
+// claims any partition unowned longer than Grace, and tries again the claims whose answer was
+// lost. It returns when it next needs to run (zero if only events matter).
 func (e *Elector) reconcile(ctx context.Context) time.Time {
 	ready, live, slots := e.view.snapshot()
 	if !ready {
@@ -320,6 +323,9 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 		}
 		e.claim(ctx, p, s, false)
 	}
+	if t := e.retryUnanswered(ctx, now, slots); !t.IsZero() {
+		later(t)
+	}
 	return next
 }
 
@@ -353,35 +359,6 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 	st.done = true
 	e.log.Debug().Strs("members", members).Dur("after", now.Sub(st.start)).Msg("member set settled")
 	return time.Time{}
-}
-
-// claim tries to create partition p's lease and, on success, starts its holder. planned says
-// whether [Plan] asked for it (within the quota) rather than Grace.
-func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
-	key := subjects.LeaseKey(p)
-	cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
-	defer cancel()
-	sent := e.cfg.Clock()
-	rev, err := e.kv.Create(cctx, key, []byte(e.cfg.ReplicaID), jetstream.KeyTTL(e.cfg.LeaseTTL))
-	if err != nil {
-		if kvcas.IsConflict(err) {
-			err = fmt.Errorf("%w: %w", ErrLeaseHeld, err)
-		}
-		e.log.Debug().Err(err).Int("partition", p).Msg("claim failed")
-		return
-	}
-	l := &Lease{Partition: p, Epoch: rev, clock: e.cfg.Clock}
-	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
-	h := &holder{e: e, lease: l, key: key, subject: e.leasePrefix + key, rev: rev, release: make(chan struct{})}
-	if !planned {
-		h.keepUntil = time.Now().Add(graceHold * e.cfg.LeaseTTL)
-	}
-	e.holders[p] = h
-	e.publishOwned()
-	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
-		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
-		Msg("partition claimed")
-	e.goroutines.Go(func() { e.exits <- h.run(ctx) })
 }
 
 // exited forgets a holder that ended and schedules a backoff after a Work failure.

@@ -70,9 +70,9 @@ func (e *env) startDirect(id string, r setup.Receive, extra ...string) *mapper {
 }
 
 // waitServed waits until the replicas named serve every partition between them, each once, as
-// their status endpoints report. A lease alone does not say it: a claim whose answer was lost
-// leaves a lease the claimer does not know it holds, and nobody serves that partition until the
-// lease expires.
+// their status endpoints report. A lease alone does not say it: a lease names its owner before
+// the owner serves the partition, and a claim whose answer was lost names its claimer until the
+// claimer reads it back and takes it.
 func (e *env) waitServed(ids ...string) {
 	e.t.Helper()
 	natstest.Eventually(e.t, 30*time.Second, func() error {

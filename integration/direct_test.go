@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os/exec"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -145,4 +146,54 @@ func TestDirectMappingChangeTakesEffectAtOnePoint(t *testing.T) {
 		t.Fatalf("the device's messages went to %v in turn, want %v: each switch at one point", groups, want)
 	}
 	r1.stop()
+}
+
+// TestDirectStatusAndVerify runs `kvmapper status` and `kvmapper verify` against a replica in
+// direct mode, which has no INCOMING: status must show the owners, the control bucket, OUTGOING
+// and UNMAPPED and say why INCOMING is not read; verify must refuse and say what to check instead.
+func TestDirectStatusAndVerify(t *testing.T) {
+	e := newDirectEnv(t, setup.ReceiveMapping)
+	m := e.startDirect("d0", setup.ReceiveMapping)
+	e.waitServed("d0")
+	e.put("dev-1", "group-a")
+	waitTableRevision(t, e.srv.URL(), "d0", 1)
+	ctx := context.Background()
+	for _, c := range []struct{ device, stream string }{{"dev-1", "OUTGOING"}, {"dev-2", "UNMAPPED"}} {
+		ack, err := e.js.Publish(ctx, "incoming."+c.device+".temp", []byte("x"))
+		if err != nil || ack.Stream != c.stream {
+			t.Fatalf("Publish(incoming.%s.temp) = %+v, %v; want %s's PubAck", c.device, ack, err, c.stream)
+		}
+	}
+
+	out, errOut, code := e.cli("status", "--rate-window", "0")
+	if code != 0 {
+		t.Fatalf("kvmapper status in direct mode: exit %d, want 0:\n%s%s", code, out, errOut)
+	}
+	for _, want := range []string{
+		"direct mode: no INCOMING to read",
+		"control bucket kvmapper: 16 of 16 partitions leased, 1 member",
+		"stream OUTGOING: 1 message, sequences 1 to 1",
+		"stream UNMAPPED: 1 message, sequences 1 to 1",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("kvmapper status output lacks %q:\n%s", want, out)
+		}
+	}
+	for p := range partitions {
+		if !regexp.MustCompile(fmt.Sprintf(`(?m)^%d\s+d0\s+\d+\s+-\s+\d+\s+-`, p)).MatchString(out) {
+			t.Errorf("kvmapper status shows no row for partition %d owned by d0 with an epoch, no checkpoint and a lag:\n%s", p, out)
+		}
+	}
+	js, _, code := e.cli("status", "--json", "--rate-window", "0")
+	var snap status.Snapshot
+	if err := json.Unmarshal([]byte(js), &snap); code != 0 || err != nil || snap.Mode != "direct" || len(snap.Outputs) != 2 {
+		t.Errorf("kvmapper status --json: exit %d, %v: mode %q, outputs %+v; want direct with OUTGOING and UNMAPPED", code, err, snap.Mode, snap.Outputs)
+	}
+
+	out, errOut, code = e.cli("verify")
+	if code != 1 || !strings.Contains(errOut, "direct mode has no INCOMING to audit against") || !strings.Contains(errOut, "PubAcks") {
+		t.Errorf("kvmapper verify in direct mode: exit %d, want 1 with the refusal saying what to check instead:\n%s%s", code, out, errOut)
+	}
+	t.Logf("kvmapper verify: %s", strings.TrimSpace(errOut))
+	m.stop()
 }

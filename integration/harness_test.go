@@ -268,6 +268,13 @@ func (m *mapper) stoppedStats() (mapped, duplicates float64) {
 	return l["mapped"].(float64), l["duplicates"].(float64)
 }
 
+// stoppedRetries returns how many messages a stopped mapper republished after a publish failure
+// (a timeout, a reconnect, a server that answered nothing for the stall timeout).
+func (m *mapper) stoppedRetries() float64 {
+	m.t.Helper()
+	return m.waitLog("replica stopped", time.Second)["retries"].(float64)
+}
+
 // logBuf collects a process's output, safe for concurrent use.
 type logBuf struct {
 	mu  sync.Mutex

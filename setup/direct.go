@@ -2,6 +2,7 @@ package setup
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -60,6 +61,36 @@ func ParseReceive(s string) (Receive, error) {
 		return r, nil
 	}
 	return "", fmt.Errorf("%w: receive mode %q: use %s or %s", ErrInvalidConfig, s, ReceiveMapping, ReceiveAll)
+}
+
+// markMode records cfg.Mode in the control bucket's [subjects.ModeKey], which status and verify
+// read (in direct mode there is no INCOMING to read): direct mode writes [subjects.DirectMode]
+// unless the key holds it already; stream mode deletes a direct mark an earlier deployment left,
+// and otherwise writes nothing (no key means stream mode, as for a bucket set up before the key
+// existed). It returns line, with what it changed added.
+func markMode(ctx context.Context, js jetstream.JetStream, cfg Config, line string) (string, error) {
+	ctl, err := js.KeyValue(ctx, cfg.Control)
+	if err != nil {
+		return "", fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
+	}
+	e, err := ctl.Get(ctx, subjects.ModeKey)
+	marked := err == nil && string(e.Value()) == subjects.DirectMode
+	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+	}
+	switch {
+	case cfg.Mode == ModeDirect && !marked:
+		if _, err := ctl.PutString(ctx, subjects.ModeKey, subjects.DirectMode); err != nil {
+			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+		}
+		return fmt.Sprintf("%s; marked as direct mode (key %s)", line, subjects.ModeKey), nil
+	case cfg.Mode != ModeDirect && marked:
+		if err := ctl.Delete(ctx, subjects.ModeKey); err != nil {
+			return "", fmt.Errorf("setup: deleting %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+		}
+		return fmt.Sprintf("%s; its direct mode mark removed (key %s): stream mode", line, subjects.ModeKey), nil
+	}
+	return line, nil
 }
 
 // ProbeHeader marks the probes [CheckDirect] publishes; the replicas of direct mode drop a

@@ -3,6 +3,7 @@ package setup_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -131,5 +132,60 @@ func TestParseModeAndReceive(t *testing.T) {
 	}
 	if _, err := setup.Ensure(context.Background(), nil, setup.Config{Layout: layout(t, 16), Mode: "fast"}); !errors.Is(err, setup.ErrInvalidConfig) {
 		t.Errorf("Ensure with mode fast = %v, want ErrInvalidConfig", err)
+	}
+}
+
+// Direct mode marks the control bucket (key mode) for status and verify, which have no INCOMING
+// to read then; stream mode removes the mark.
+func TestDirectModeMarksTheControlBucket(t *testing.T) {
+	ctx := context.Background()
+	_, js := natstest.Start(t).JetStream(t)
+	mode := func() string {
+		t.Helper()
+		ctl, err := js.KeyValue(ctx, "kvmapper")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := ctl.Get(ctx, "mode")
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return "(none)"
+		}
+		if err != nil {
+			t.Fatalf("Get(mode): %v", err)
+		}
+		return string(e.Value())
+	}
+	ensure := func(cfg setup.Config) string {
+		t.Helper()
+		lines, err := setup.Ensure(ctx, js, cfg)
+		if err != nil {
+			t.Fatalf("Ensure(%s): %v", cfg.Mode, err)
+		}
+		// The control bucket's line: in stream mode the recorded layout's line follows it.
+		for _, l := range slices.Backward(lines) {
+			if strings.HasPrefix(l, "bucket kvmapper") || strings.HasPrefix(l, "created bucket kvmapper") {
+				return l
+			}
+		}
+		return lines[len(lines)-1]
+	}
+
+	if got := ensure(directConfig(t, 16, setup.ReceiveAll)); got != "created bucket kvmapper (leases, members, checkpoints); marked as direct mode (key mode)" {
+		t.Errorf("Ensure(direct) on an empty server reported %q for the control bucket, want it created and marked", got)
+	}
+	if got := mode(); got != "direct" {
+		t.Errorf("control bucket key mode = %q after Ensure(direct), want direct", got)
+	}
+	if got := ensure(directConfig(t, 16, setup.ReceiveAll)); got != "bucket kvmapper ok" {
+		t.Errorf("Ensure(direct) again reported %q, want the bucket ok and nothing written", got)
+	}
+	if got := ensure(setup.Config{Layout: layout(t, 16)}); got != "bucket kvmapper ok; its direct mode mark removed (key mode): stream mode" {
+		t.Errorf("Ensure(stream) after direct reported %q, want the mark removed", got)
+	}
+	if got := mode(); got != "(none)" {
+		t.Errorf("control bucket key mode = %q after Ensure(stream), want none", got)
+	}
+	if got := ensure(setup.Config{Layout: layout(t, 16)}); got != "bucket kvmapper ok" {
+		t.Errorf("Ensure(stream) again reported %q, want the bucket ok", got)
 	}
 }

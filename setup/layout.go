@@ -112,6 +112,11 @@ func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, creat
 	if existing != "" {
 		return LayoutChoice{Layout: existing, Why: fmt.Sprintf("stream %s exists", stream)}, nil
 	}
+	if !create && markedDirect(ctx, js, cfg.Control) {
+		// A direct-mode deployment read without --mode direct: status and verify read the
+		// mark themselves and say what they can do; there is no INCOMING to choose a layout for.
+		return LayoutChoice{Layout: subjects.SingleStream, Why: fmt.Sprintf("bucket %s marks direct mode (key %s), which keeps no INCOMING", cfg.Control, subjects.ModeKey)}, nil
+	}
 	if !create {
 		return LayoutChoice{}, fmt.Errorf("%w: bucket %s records no layout (key %s) and neither %s nor %s exists: run `kvmapper setup` first, or check --server and the stream and bucket names",
 			ErrNoLayout, cfg.Control, subjects.LayoutKey, cfg.Incoming, cfg.PartitionStream(0))
@@ -164,6 +169,17 @@ func readLayout(ctx context.Context, js jetstream.JetStream, bucket string) (sub
 			ErrMismatch, subjects.LayoutKey, bucket, e.Value(), bucket, subjects.LayoutKey)
 	}
 	return l, nil
+}
+
+// markedDirect reports whether the control bucket marks the deployment as running in direct
+// mode ([subjects.ModeKey]); a bucket or key that cannot be read marks nothing.
+func markedDirect(ctx context.Context, js jetstream.JetStream, bucket string) bool {
+	ctl, err := js.KeyValue(ctx, bucket)
+	if err != nil {
+		return false
+	}
+	e, err := ctl.Get(ctx, subjects.ModeKey)
+	return err == nil && string(e.Value()) == subjects.DirectMode
 }
 
 // existingLayout returns the layout whose INCOMING streams exist, with the name of the one

@@ -251,3 +251,17 @@ func TestRecordedLayoutNeedsADeployment(t *testing.T) {
 		t.Errorf("RecordedLayout with layout=sharded recorded = %v, want ErrMismatch quoting the value", err)
 	}
 }
+
+// A direct-mode deployment, read without --mode direct (status and verify find out from the
+// control bucket's mode mark): no layout to resolve, and no error before they read the mark.
+func TestRecordedLayoutOfADirectModeDeployment(t *testing.T) {
+	ctx := context.Background()
+	_, js := natstest.Start(t).JetStream(t)
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Mode: setup.ModeDirect, Receive: setup.ReceiveAll}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := setup.RecordedLayout(ctx, js, autoConfig(t))
+	if err != nil || c.Layout != subjects.SingleStream || !strings.Contains(c.Why, "marks direct mode") {
+		t.Errorf("RecordedLayout(auto, stream mode) on a direct deployment = %+v, %v; want single, why … marks direct mode …", c, err)
+	}
+}

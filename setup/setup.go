@@ -58,6 +58,13 @@ type Config struct {
 	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
 	// leaves it alone.
 	Park *ParkConfig
+	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
+	// partition streams' leaderships until every server leads P/N of them, give or take one,
+	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
+	// report line beginning "warning:", never an error. `kvmapper setup` sets it; a replica's
+	// own setup does not, so that replicas starting together, or restarting under load, move
+	// no leaderships.
+	BalanceLeaders bool
 }
 
 // DefaultGroupsHistory is the values per key of a groups bucket created without GroupsHistory.
@@ -87,8 +94,9 @@ func (c *Config) Defaults() {
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
-// bucket saying which it did. It changes nothing that exists. Safe to run any number of times
-// and from several replicas at once.
+// bucket saying which it did. It changes nothing that exists, but for the servers that lead the
+// partition streams with [Config.BalanceLeaders] (and then one more line). Safe to run any
+// number of times and from several replicas at once.
 //
 // In stream mode it resolves or checks the stream layout with [ChooseLayout] first (a layout
 // that contradicts the one the control bucket records is an error wrapping
@@ -142,12 +150,17 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
+	if cfg.BalanceLeaders && cfg.Mode == ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
+		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
+	}
 	for _, step := range steps {
 		line, err := step()
 		if err != nil {
 			return report, err
 		}
-		report = append(report, line)
+		if line != "" {
+			report = append(report, line)
+		}
 	}
 	return report, nil
 }
@@ -304,7 +317,8 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 			LimitMarkerTTL: cfg.LimitMarkerTTL,
 		})
 		if err == nil {
-			return fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control), nil
+			line := fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control)
+			return markMode(ctx, js, cfg, line)
 		}
 		if perr := placementError("bucket "+cfg.Control, cfg.Replicas, err); perr != nil {
 			return "", perr
@@ -325,7 +339,7 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 		return "", fmt.Errorf("%w: bucket %s was created without LimitMarkerTTL, which lease expiry needs: remove it (`nats kv rm %s`, checkpoints are lost and partitions restart from the beginning of INCOMING) and run kvmapper setup, or name another with --control-bucket",
 			ErrMismatch, cfg.Control, cfg.Control)
 	}
-	return fmt.Sprintf("bucket %s ok", cfg.Control), nil
+	return markMode(ctx, js, cfg, fmt.Sprintf("bucket %s ok", cfg.Control))
 }
 
 // placementError explains, for a create that failed because the servers cannot hold replicas

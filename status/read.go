@@ -31,6 +31,9 @@ type ReadConfig struct {
 	// NoStreamLag skips counting lag in INCOMING for partitions whose owner did not report:
 	// the count needs a short-lived consumer per such partition (see [Read]).
 	NoStreamLag bool
+	// Direct reads the deployment as one in direct mode even if the control bucket does not
+	// say so ([subjects.ModeKey]): see [Read].
+	Direct bool
 }
 
 func (c *ReadConfig) setDefaults() error {
@@ -57,6 +60,11 @@ func (c *ReadConfig) setDefaults() error {
 // reading its pending count (one consumer create and delete per such partition; the server
 // counts from its per-subject index, so this stays cheap with many devices).
 // A member that does not answer is listed with Error set; Read fails only when NATS does.
+//
+// In direct mode (the control bucket holds [subjects.ModeKey], or Direct is set) there is no
+// INCOMING: Read reads OUTGOING's and UNMAPPED's state instead ([Snapshot].Outputs), takes each
+// partition's lag from its owner's report alone (what waits in its queue) and reads no
+// checkpoints, which direct mode does not write.
 func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapshot, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -66,7 +74,7 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	if err != nil {
 		return nil, fmt.Errorf("status: opening bucket %s: %w", cfg.Control, err)
 	}
-	snap := &Snapshot{Partitions: make([]Partition, n)}
+	snap := &Snapshot{Control: cfg.Control, Partitions: make([]Partition, n)}
 	for p := range snap.Partitions {
 		snap.Partitions[p].Partition = p
 	}
@@ -75,6 +83,19 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 		return nil, err
 	}
 	snap.At = time.Now()
+	snap.Mode = modeStream
+	if cfg.Direct || snap.markedDirect {
+		snap.Mode = modeDirect
+		for i := range snap.Partitions {
+			p := &snap.Partitions[i]
+			p.Checkpoint, p.CheckpointIncarnation = 0, "" // an earlier deployment's, in stream mode
+		}
+	}
+	direct := snap.Mode == modeDirect
+	streamNames := StreamNames(cfg.Names, n)
+	if direct {
+		streamNames = streamNames[len(cfg.IncomingStreams(n)):]
+	}
 
 	// Ask the members and the streams' leaders, and meanwhile read the stream and bucket
 	// states.
@@ -82,16 +103,22 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	var wg sync.WaitGroup
 	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
 	wg.Go(func() {
-		snap.Replication = ReadReplication(ctx, js, StreamNames(cfg.Names, n), cfg.Timeout)
+		snap.Replication = ReadReplication(ctx, js, streamNames, cfg.Timeout)
 	})
 	defer wg.Wait()
-	streams, err := readIncoming(ctx, js, cfg, snap)
-	if err != nil {
-		return nil, err
-	}
-	for i := range snap.Partitions {
-		p := &snap.Partitions[i]
-		p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.streamOf(p.Partition).Incarnation
+	var streams []jetstream.Stream
+	if direct {
+		if snap.Outputs, err = readOutputs(ctx, js, cfg); err != nil {
+			return nil, err
+		}
+	} else {
+		if streams, err = readIncoming(ctx, js, cfg, snap); err != nil {
+			return nil, err
+		}
+		for i := range snap.Partitions {
+			p := &snap.Partitions[i]
+			p.StaleCheckpoint = p.CheckpointIncarnation != "" && p.CheckpointIncarnation != snap.streamOf(p.Partition).Incarnation
+		}
 	}
 	if snap.Groups, err = readGroups(ctx, js, cfg.Groups); err != nil {
 		return nil, err
@@ -132,7 +159,7 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 			}
 		}
 	}
-	if !cfg.NoStreamLag {
+	if !cfg.NoStreamLag && !direct {
 		if err := streamLag(ctx, streams, cfg, snap); err != nil {
 			return nil, err
 		}
@@ -160,8 +187,11 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 		if e == nil {
 			break
 		}
-		if e.Key() == subjects.ParkedKey {
+		switch e.Key() {
+		case subjects.ParkedKey:
 			snap.parking = true
+		case subjects.ModeKey:
+			snap.markedDirect = string(e.Value()) == subjects.DirectMode
 		}
 		kind, p, id, ok := subjects.ParseControlKey(e.Key())
 		if kind == subjects.KindMember {
@@ -232,18 +262,13 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 	var streams []jetstream.Stream
 	var states []Stream
 	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
-		s, err := js.Stream(ctx, name)
-		if err != nil {
-			return nil, fmt.Errorf("status: opening stream %s: %w", name, err)
+		s, st, err := readStream(ctx, js, name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			return nil, fmt.Errorf("%w (in direct mode there is none: a replica or `kvmapper setup` run with --mode direct marks the control bucket %s so, which status reads; or pass --mode direct)",
+				err, cfg.Control)
 		}
-		si, err := s.Info(ctx)
 		if err != nil {
-			return nil, fmt.Errorf("status: reading stream %s: %w", name, err)
-		}
-		st := Stream{Name: name, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
-			Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
-		if si.Cluster != nil {
-			st.Leader = si.Cluster.Leader
+			return nil, err
 		}
 		streams, states = append(streams, s), append(states, st)
 	}
@@ -257,6 +282,37 @@ func readIncoming(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, s
 		snap.Incoming.Messages += st.Messages
 	}
 	return streams, nil
+}
+
+// readStream opens stream name and returns it with its state.
+func readStream(ctx context.Context, js jetstream.JetStream, name string) (jetstream.Stream, Stream, error) {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return nil, Stream{}, fmt.Errorf("status: opening stream %s: %w", name, err)
+	}
+	si, err := s.Info(ctx)
+	if err != nil {
+		return nil, Stream{}, fmt.Errorf("status: reading stream %s: %w", name, err)
+	}
+	st := Stream{Name: name, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
+		Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
+	if si.Cluster != nil {
+		st.Leader = si.Cluster.Leader
+	}
+	return s, st, nil
+}
+
+// readOutputs returns the state of OUTGOING and UNMAPPED.
+func readOutputs(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) ([]Stream, error) {
+	var out []Stream
+	for _, name := range []string{cfg.Outgoing, cfg.Unmapped} {
+		_, st, err := readStream(ctx, js, name)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, st)
+	}
+	return out, nil
 }
 
 // readParked counts PARKED's messages per device, if the deployment parks (the control bucket

@@ -10,9 +10,11 @@ import (
 )
 
 // WriteText writes the snapshot as aligned tables: partitions, replicas, then the groups bucket
-// with INCOMING, and in the partition-streams layout a table of the partition streams. Unknown
-// values show as "-".
+// with INCOMING, and in the partition-streams layout a table of the partition streams; in direct
+// mode a line saying why there is no INCOMING, the control bucket's leases and members, and
+// OUTGOING and UNMAPPED instead. Unknown values show as "-".
 func (s *Snapshot) WriteText(w io.Writer) error {
+	direct := s.Mode == modeDirect
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCHECKPOINT\tLAG\tRATE/S\t")
 	for _, p := range s.Partitions {
@@ -29,7 +31,10 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 			rate = strconv.FormatFloat(*p.Rate, 'f', 1, 64)
 		}
 		cp := strconv.FormatUint(p.Checkpoint, 10)
-		if p.StaleCheckpoint {
+		switch {
+		case direct:
+			cp = "-" // direct mode writes none
+		case p.StaleCheckpoint:
 			cp += " (earlier stream)"
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t\n", p.Partition, owner, orDash(p.Epoch), cp, lag, rate)
@@ -78,6 +83,9 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 			"their owners start them from the new stream's first message\n",
 			strings.Join(stale, ", "), s.Incoming.Name, s.Incoming.Created.UTC().Format(time.RFC3339))
 	}
+	if direct {
+		return s.writeDirect(w, len(unowned))
+	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
 	if err := s.Parked.writeText(w); err != nil {
 		return err
@@ -103,7 +111,33 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	s.writeLeaderCounts(w)
 	return s.writeReplication(w)
+}
+
+// writeDirect writes what follows the tables in direct mode: why there is no INCOMING, the
+// control bucket, the groups bucket, OUTGOING and UNMAPPED, and the replication; unowned is the
+// number of partitions without a lease.
+func (s *Snapshot) writeDirect(w io.Writer, unowned int) error {
+	fmt.Fprintln(w, "\ndirect mode: no INCOMING to read (devices publish to the replicas over core NATS; each partition's owner "+
+		"republishes to OUTGOING); LAG is what waits in the owner's queue, and there are no checkpoints")
+	fmt.Fprintf(w, "control bucket %s: %d of %d partitions leased, %s\n", s.Control, len(s.Partitions)-unowned, len(s.Partitions), plural(len(s.Replicas), "member"))
+	fmt.Fprintf(w, "groups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
+	for _, st := range s.Outputs {
+		seqs := "no messages"
+		if st.Messages > 0 {
+			seqs = fmt.Sprintf("%s, sequences %d to %d", plural(int(st.Messages), "message"), st.FirstSeq, st.LastSeq)
+		}
+		fmt.Fprintf(w, "stream %s: %s\n", st.Name, seqs)
+	}
+	return s.writeReplication(w)
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
 }
 
 // writeReplication writes how each stream is replicated: its leader and its followers, those

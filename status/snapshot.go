@@ -4,26 +4,42 @@ import "time"
 
 // Snapshot is the state of a kvmapper deployment at one moment, as [Read] assembles it.
 type Snapshot struct {
-	At         time.Time   `json:"at"`
+	At time.Time `json:"at"`
+	// Mode is what devices publish into: "stream" (INCOMING) or "direct" (no stream: each
+	// partition's owner republishes what it receives to OUTGOING).
+	Mode string `json:"mode"`
+	// Control is the control bucket's name: leases, members, checkpoints.
+	Control    string      `json:"control"`
 	Partitions []Partition `json:"partitions"`
 	Replicas   []Replica   `json:"replicas"`
 	Groups     Groups      `json:"groups"`
 	// Incoming describes INCOMING in the single-stream layout. In the partition-streams layout
 	// it sums up the partition streams (Name "<INCOMING>-<p>", Messages their total, no
-	// sequences), and Streams describes each.
-	Incoming Stream `json:"incoming"`
-	// StreamLayout is how INCOMING is stored: "single" or "streams".
+	// sequences), and Streams describes each. Absent in direct mode, which has no INCOMING.
+	Incoming Stream `json:"incoming,omitzero"`
+	// Outputs describe OUTGOING and UNMAPPED, in direct mode only: there they are the only
+	// streams the messages reach.
+	Outputs []Stream `json:"outputs,omitempty"`
+	// StreamLayout is how INCOMING is stored: "single" or "streams"; "" in direct mode.
 	StreamLayout string `json:"stream_layout"`
 	// Streams are the partition streams in partition order; empty in the single-stream layout.
 	Streams []Stream `json:"streams,omitempty"`
 	// Replication is how every stream kvmapper uses is replicated, in [StreamNames] order:
-	// INCOMING (or each partition stream), OUTGOING, UNMAPPED, the groups and control buckets.
+	// INCOMING (or each partition stream; neither in direct mode), OUTGOING, UNMAPPED, the groups
+	// and control buckets.
 	Replication []Replication `json:"replication"`
 	// Parked describes the PARKED stream; nil when there is none (parking never turned on).
 	Parked *Parked `json:"parked,omitempty"`
 
-	parking bool // the control bucket says the deployment parks
+	parking      bool // the control bucket says the deployment parks
+	markedDirect bool // the control bucket says the deployment runs in direct mode
 }
+
+// The values of [Snapshot].Mode.
+const (
+	modeStream = "stream"
+	modeDirect = "direct"
+)
 
 // Parked is what the PARKED stream holds: the messages of devices without a group, held until
 // they get one (kvmapper run --on-unmapped park), counted from the stream's per-subject index.
@@ -121,8 +137,9 @@ func (p *Partition) position() uint64 { return max(p.Acked, p.Checkpoint) }
 
 // SetRates fills each partition's Rate from its progress since prev. A partition whose position
 // went back (a new owner reporting less than the old one acknowledged) gets no rate.
+// In direct mode there is no acknowledged position to take a rate from: no partition gets one.
 func (s *Snapshot) SetRates(prev *Snapshot) {
-	if prev == nil {
+	if prev == nil || s.Mode == modeDirect {
 		return
 	}
 	dt := s.At.Sub(prev.At).Seconds()

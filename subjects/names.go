@@ -142,6 +142,16 @@ const ParkedKey = "parked"
 // layout is [AutoLayout] reads it, so that one deployment is never split across layouts.
 const LayoutKey = "layout"
 
+// ModeKey is the control-bucket key that says a deployment runs in direct mode, where devices
+// publish to no stream and the owner of each partition republishes what it receives to
+// OUTGOING: setup writes [DirectMode] in it when it runs in direct mode (as every replica of
+// that mode does when it starts), and deletes it when it runs in stream mode. No key means
+// stream mode. status and verify read it: in direct mode there is no INCOMING to read.
+const ModeKey = "mode"
+
+// DirectMode is the value of [ModeKey] in direct mode.
+const DirectMode = "direct"
+
 // UnparkKey is the control-bucket key that asks the owner of partition p to unpark device (its
 // value says how: release or drop); the owner deletes it once done.
 func UnparkKey(p int, device string) string {
