@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"os"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/mattn/go-isatty"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
@@ -20,8 +22,9 @@ func env(name string) []string { return []string{"KVMAPPER_" + name} }
 // layoutFlags name the subjects, streams and buckets; every command has them.
 func layoutFlags() []cli.Flag {
 	return []cli.Flag{
-		&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single (one stream partitioned by its subject transform; works on any server) or " +
-			"streams (one stream per partition, <incoming-stream>-<p>, filled by an account subject mapping the server must have: setup checks it and prints it, run --embedded sets it)", EnvVars: env("LAYOUT")},
+		&cli.StringFlag{Name: "layout", Value: string(subjects.AutoLayout), Usage: "how INCOMING is stored: single (one stream partitioned by its subject transform; works on any server), " +
+			"streams (one stream per partition, <incoming-stream>-<p>, filled by an account subject mapping the server must have: setup checks it and prints it, run --embedded sets it; faster) or " +
+			"auto (the deployment's, recorded in the control bucket by setup; a new one gets streams when the server has the mapping or with run --embedded, else single)", EnvVars: env("LAYOUT")},
 		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)", EnvVars: env("PARTITIONS")},
 		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to", EnvVars: env("IN")},
 		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to", EnvVars: env("OUT")},
@@ -103,6 +106,21 @@ func parseCommon(c *cli.Context) (common, error) {
 	return common{layout: lay, setup: scfg, log: log}, nil
 }
 
+// resolveLayout replaces --layout auto with the deployment's stream layout, for the commands
+// that use a deployment setup made: the layout the control bucket records, else the one whose
+// INCOMING streams exist (setup.RecordedLayout). An explicit --layout the record contradicts is
+// refused, and so is auto when nothing tells. It blocks for a few round trips.
+func (cm *common) resolveLayout(ctx context.Context, js jetstream.JetStream) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	choice, err := setup.RecordedLayout(ctx, js, cm.setup)
+	if err != nil {
+		return err
+	}
+	cm.setup.StreamLayout = choice.Layout
+	return nil
+}
+
 // layout builds the subject layout from the flags; a bad template is a usage error.
 func layout(c *cli.Context) (*subjects.Layout, error) {
 	lay, err := subjects.NewLayout(c.String("in"), c.String("out"), c.String("unmapped"), c.Int("partitions"))
@@ -116,9 +134,12 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	if r := c.Int("stream-replicas"); r < 1 || r > 5 {
 		return setup.Config{}, usagef("invalid value %d for flag --stream-replicas: must be 1 to 5", r)
 	}
-	sl, err := subjects.ParseStreamLayout(c.String("layout"))
-	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --layout: use %s or %s", c.String("layout"), subjects.SingleStream, subjects.PartitionStreams)
+	sl := subjects.AutoLayout
+	if v := c.String("layout"); v != string(subjects.AutoLayout) && v != "" {
+		var err error
+		if sl, err = subjects.ParseStreamLayout(v); err != nil {
+			return setup.Config{}, usagef("invalid value %q for flag --layout: use %s, %s or %s", v, subjects.AutoLayout, subjects.SingleStream, subjects.PartitionStreams)
+		}
 	}
 	mode, err := setup.ParseMode(c.String("mode"))
 	if err != nil {

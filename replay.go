@@ -136,6 +136,10 @@ func replayAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		return err
+	}
+	cfg.Names = cm.setup.Names
 	r, err := replay.New(js, cfg)
 	if err != nil {
 		return usageError{err}

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/direct"
@@ -67,7 +69,10 @@ func setupCommand() *cli.Command {
 		Name:  "setup",
 		Usage: "create or verify the streams and buckets, and say what it did",
 		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
-			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.",
+			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.\n" +
+			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
+			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
+			"where every other command reads it.",
 		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag(),
 			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them, instead of spreading them over the servers (--layout streams on a cluster)", EnvVars: env("NO_BALANCE_LEADERS")},
 		}, parkFlags()),
@@ -90,9 +95,21 @@ func setupCommand() *cli.Command {
 			defer nc.Close()
 			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 			defer cancel()
+			auto := scfg.StreamLayout == subjects.AutoLayout
+			choice, err := setup.ChooseLayout(ctx, js, scfg)
+			if err != nil {
+				return err
+			}
+			scfg.StreamLayout = choice.Layout
+			if auto && scfg.Mode == setup.ModeStream {
+				fmt.Fprintf(c.App.Writer, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
+			}
 			lines, err := setup.Ensure(ctx, js, scfg)
 			for _, l := range lines {
 				fmt.Fprintln(c.App.Writer, l)
+			}
+			if err == nil && choice.Faster != "" {
+				fmt.Fprintf(c.App.Writer, "\n%s.\n\n%s", choice.Faster, setup.MappingConfig(scfg.Layout))
 			}
 			return err
 		},
@@ -159,8 +176,10 @@ func runAction(c *cli.Context) error {
 	context.AfterFunc(ctx, stop)
 
 	servers := c.String("server")
+	var srv *server.Server
 	if c.Bool("embedded") {
-		srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
+		var url string
+		srv, url, err = startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
 		if err != nil {
 			return err
 		}
@@ -169,6 +188,7 @@ func runAction(c *cli.Context) error {
 			srv.WaitForShutdown()
 		}()
 		servers = url
+		scfg.CallerSetsMapping = true
 		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
@@ -184,6 +204,9 @@ func runAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := chooseRunLayout(ctx, js, &scfg, srv, log); err != nil {
+		return err
+	}
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:      id,
 		Version: version,
@@ -231,6 +254,39 @@ func runAction(c *cli.Context) error {
 	log.Info().Uint64("mapped", st.Mapped).Interface("unmapped", st.Unmapped).Uint64("duplicates", st.Duplicates).
 		Uint64("retries", st.Retries).Msg("replica stopped")
 	return err
+}
+
+// chooseRunLayout resolves the stream layout of run (setup.ChooseLayout) into cfg and logs it,
+// once. An embedded server (srv not nil) started without the partition streams' mapping when
+// --layout was auto: it gets the mapping now if they are chosen, before setup probes it. Until
+// then, for the few milliseconds since it started listening, a device's message reaches no
+// stream, as during any restart.
+func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *server.Server, log zerolog.Logger) error {
+	if cfg.Mode == setup.ModeDirect {
+		// Direct mode keeps no INCOMING: nothing to choose, and nothing to log.
+		c, err := setup.ChooseLayout(ctx, js, *cfg)
+		cfg.StreamLayout = c.Layout
+		return err
+	}
+	given := mappings(*cfg) != nil
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	choice, err := setup.ChooseLayout(cctx, js, *cfg)
+	if err != nil {
+		return err
+	}
+	cfg.StreamLayout = choice.Layout
+	if srv != nil && !given && choice.Layout == subjects.PartitionStreams {
+		if err := srv.GlobalAccount().AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
+			return fmt.Errorf("embedded NATS server: mapping %s → %s: %w", cfg.Layout.MappingSource(), cfg.Layout.MappingDest(), err)
+		}
+	}
+	ev := log.Info().Str("layout", string(choice.Layout)).Str("why", choice.Why)
+	if choice.Faster != "" {
+		ev = ev.Str("faster", choice.Faster)
+	}
+	ev.Msg("stream layout")
+	return nil
 }
 
 // mappings returns the account subject mappings cfg needs from the server: the partitioning

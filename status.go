@@ -69,6 +69,10 @@ func statusAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		return err
+	}
+	scfg = cm.setup
 	rcfg := status.ReadConfig{
 		Layout:  lay,
 		Names:   scfg.Names,

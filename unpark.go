@@ -76,6 +76,10 @@ func unparkAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		return err
+	}
+	scfg = cm.setup
 	ps, err := js.Stream(ctx, scfg.Parked)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return fmt.Errorf("there is no %s stream: nothing is parked (parking is `kvmapper run --on-unmapped park`)", scfg.Parked)

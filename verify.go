@@ -70,6 +70,10 @@ func verifyAction(c *cli.Context) error {
 		return err
 	}
 	defer nc.Close()
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		return err
+	}
+	scfg = cm.setup
 	var lastLog time.Time
 	rep, err := audit.Run(ctx, js, audit.Config{
 		Layout:      lay,

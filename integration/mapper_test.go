@@ -373,18 +373,18 @@ func TestStreamsLayoutNeedsTheMapping(t *testing.T) {
 
 func TestQuickStartEmbedded(t *testing.T) {
 	for _, layout := range []string{"single", "streams"} {
-		t.Run(layout, func(t *testing.T) { quickStart(t, layout) })
+		t.Run(layout, func(t *testing.T) { quickStart(t, t.TempDir(), layout, "--layout", layout) })
 	}
 }
 
-func quickStart(t *testing.T, layout string) {
-	dir := t.TempDir()
+// quickStart runs `kvmapper run --embedded` with its data in dir and extra flags, checks that a
+// device's message is mapped and is stored where layout (single or streams) keeps it, stops the
+// replica and returns its logs.
+func quickStart(t *testing.T, dir, layout string, extra ...string) *logBuf {
+	t.Helper()
 	port := freePort(t)
 	url := "nats://127.0.0.1:" + strconv.Itoa(port)
-	args := []string{"run", "--embedded", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--data-dir", dir, "--log-format", "json"}
-	if layout != "single" {
-		args = append(args, "--layout", layout)
-	}
+	args := append([]string{"run", "--embedded", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--data-dir", dir, "--log-format", "json"}, extra...)
 	m := startProcess(t, "embedded", args...)
 	natstest.Eventually(t, 30*time.Second, func() error {
 		if !strings.Contains(m.logs.String(), "go tool nats -s "+url+" kv put device-groups dev-42 group-a") {
@@ -423,10 +423,11 @@ func quickStart(t *testing.T, layout string) {
 		}
 		return nil
 	})
-	// The device's messages are where the layout keeps them.
-	stream := "INCOMING"
+	// The device's messages are where the layout keeps them, and the other layout's streams
+	// do not exist.
+	stream, other := "INCOMING", "INCOMING-"+strconv.Itoa(subjects.Partition("dev-42", 16))
 	if layout == "streams" {
-		stream = "INCOMING-" + strconv.Itoa(subjects.Partition("dev-42", 16))
+		stream, other = other, stream
 	}
 	s, err := js.Stream(context.Background(), stream)
 	if err != nil {
@@ -435,7 +436,12 @@ func quickStart(t *testing.T, layout string) {
 	if n := s.CachedInfo().State.Msgs; n == 0 {
 		t.Errorf("%s holds no message of dev-42", stream)
 	}
+	if _, err := js.Stream(context.Background(), other); !errors.Is(err, jetstream.ErrStreamNotFound) {
+		t.Errorf("Stream(%s) = %v, want not found in the %s layout", other, err, layout)
+	}
+	nc.Close()
 	m.stop()
+	return m.logs
 }
 
 func waitAtLeast(t *testing.T, e *env, stream string, n int) {

@@ -56,16 +56,22 @@ var (
 	}
 	// setupGrants are what `kvmapper setup` (or a first `kvmapper run`) needs to create them;
 	// creating a bucket reads the account's JetStream info.
+	// With --layout auto on a server with no deployment yet, setup looks for the first partition
+	// stream, then probes the account mapping: one message to a device subject, which it
+	// receives itself as it was published or as the mapping delivers it.
 	setupGrants = grants{
 		Publish: append(slices.Clone(replicaGrants.Publish), "$JS.API.INFO",
 			"$JS.API.STREAM.CREATE.INCOMING", "$JS.API.STREAM.CREATE.OUTGOING", "$JS.API.STREAM.CREATE.UNMAPPED",
-			"$JS.API.STREAM.CREATE.KV_device-groups", "$JS.API.STREAM.CREATE.KV_kvmapper"),
-		Subscribe: []string{"_INBOX.>"},
+			"$JS.API.STREAM.CREATE.KV_device-groups", "$JS.API.STREAM.CREATE.KV_kvmapper",
+			"$JS.API.STREAM.INFO.INCOMING-0", "incoming.kvmapper-probe-0.probe"),
+		Subscribe: []string{"_INBOX.>", "incoming.kvmapper-probe-0.probe", "incoming.*.kvmapper-probe-0.probe"},
 	}
 	// statusGrants are what `kvmapper status` needs.
 	statusGrants = grants{
 		Publish: []string{
 			"$JS.API.STREAM.INFO.INCOMING", "$JS.API.STREAM.INFO.KV_device-groups", "$JS.API.STREAM.INFO.KV_kvmapper",
+			// the layout setup recorded (--layout auto)
+			"$JS.API.DIRECT.GET.KV_kvmapper.$KV.kvmapper.layout",
 			// each stream's leader and followers
 			"$JS.API.STREAM.INFO.OUTGOING", "$JS.API.STREAM.INFO.UNMAPPED",
 			"$JS.API.CONSUMER.CREATE.KV_kvmapper.>", "$JS.API.CONSUMER.DELETE.KV_kvmapper.*", "$JS.FC.KV_kvmapper.>",
@@ -79,7 +85,7 @@ var (
 	verifyGrants = grants{
 		Publish: []string{
 			"$JS.API.STREAM.INFO.INCOMING", "$JS.API.STREAM.INFO.OUTGOING", "$JS.API.STREAM.INFO.UNMAPPED",
-			"$JS.API.STREAM.INFO.KV_kvmapper",
+			"$JS.API.STREAM.INFO.KV_kvmapper", "$JS.API.DIRECT.GET.KV_kvmapper.$KV.kvmapper.layout",
 			"$JS.API.CONSUMER.CREATE.OUTGOING.>", "$JS.API.CONSUMER.MSG.NEXT.OUTGOING.*", "$JS.API.CONSUMER.DELETE.OUTGOING.*",
 			"$JS.API.CONSUMER.CREATE.UNMAPPED.>", "$JS.API.CONSUMER.MSG.NEXT.UNMAPPED.*", "$JS.API.CONSUMER.DELETE.UNMAPPED.*",
 		},

@@ -120,7 +120,8 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 
 // New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
 // the components; it blocks for up to 30 s on setup. Errors from a configuration the components
-// refuse wrap [ErrInvalidConfig].
+// refuse wrap [ErrInvalidConfig], as does a Setup.StreamLayout of subjects.AutoLayout: resolve
+// it with setup.ChooseLayout before.
 func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, error) {
 	if cfg.ID == "" {
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
@@ -128,6 +129,10 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	log := cfg.Logger
 	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
 		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
+	}
+	if cfg.Setup.StreamLayout == subjects.AutoLayout {
+		// The lanes, status and metrics need the layout itself, and the command logs it.
+		return nil, fmt.Errorf("%w: Setup.StreamLayout is auto: resolve it with setup.ChooseLayout first", ErrInvalidConfig)
 	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
 		cfg.Setup.Park = &setup.ParkConfig{}

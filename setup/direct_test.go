@@ -3,6 +3,7 @@ package setup_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -159,6 +160,12 @@ func TestDirectModeMarksTheControlBucket(t *testing.T) {
 		lines, err := setup.Ensure(ctx, js, cfg)
 		if err != nil {
 			t.Fatalf("Ensure(%s): %v", cfg.Mode, err)
+		}
+		// The control bucket's line: in stream mode the recorded layout's line follows it.
+		for _, l := range slices.Backward(lines) {
+			if strings.HasPrefix(l, "bucket kvmapper") || strings.HasPrefix(l, "created bucket kvmapper") {
+				return l
+			}
 		}
 		return lines[len(lines)-1]
 	}

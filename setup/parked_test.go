@@ -67,8 +67,8 @@ func TestEnsureParked(t *testing.T) {
 	}
 
 	// Without Park, PARKED is not looked at.
-	if lines, err = setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16)}); err != nil || len(lines) != 5 {
-		t.Errorf("Ensure without Park = %d lines, %v; want the five others", len(lines), err)
+	if lines, err = setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16)}); err != nil || len(lines) != 6 {
+		t.Errorf("Ensure without Park = %d lines, %v; want the six others", len(lines), err)
 	}
 	bad := cfg
 	bad.Park = &setup.ParkConfig{MaxPerDevice: 100, MaxTotal: 10}

@@ -45,8 +45,11 @@ func TestPartitionStreamsCreatedThenVerified(t *testing.T) {
 	if err != nil {
 		t.Fatalf("second Ensure: %v", err)
 	}
-	if len(first) != 5 || len(second) != 5 {
-		t.Fatalf("Ensure reported %d then %d lines, want 5 each:\n%s\n%s", len(first), len(second), first, second)
+	if len(first) != 6 || len(second) != 6 {
+		t.Fatalf("Ensure reported %d then %d lines, want 6 each:\n%s\n%s", len(first), len(second), first, second)
+	}
+	if want := "recorded layout streams in bucket kvmapper"; !strings.HasPrefix(first[5], want) {
+		t.Errorf("first run's last line %q, want %q…", first[5], want)
 	}
 	if want := "created 16 of the partition streams INCOMING-0 … INCOMING-15"; !strings.HasPrefix(first[0], want) {
 		t.Errorf("first line %q, want %q…", first[0], want)
@@ -159,12 +162,14 @@ func TestPartitionStreamsRefuseMismatches(t *testing.T) {
 			is:      setup.ErrNoMapping,
 			want:    []string{"another partition count", "partition(16,1)"},
 		},
+		// A deployment made before setup recorded layouts: the streams themselves refuse.
 		"single-layout INCOMING present": {
 			mapping: layout(t, 16),
 			prepare: func(t *testing.T, js jetstream.JetStream) {
 				if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16)}); err != nil {
 					t.Fatal(err)
 				}
+				forgetLayout(t, js)
 			},
 			cfg:  streamsConfig(t, 16),
 			is:   setup.ErrMismatch,
@@ -187,6 +192,7 @@ func TestPartitionStreamsRefuseMismatches(t *testing.T) {
 				if _, err := setup.Ensure(ctx, js, streamsConfig(t, 16)); err != nil {
 					t.Fatal(err)
 				}
+				forgetLayout(t, js)
 			},
 			cfg:  setup.Config{Layout: layout(t, 16)},
 			is:   setup.ErrMismatch,

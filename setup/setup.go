@@ -31,8 +31,13 @@ type Config struct {
 	Layout *subjects.Layout // required
 	// Names are the streams and buckets, and how INCOMING is stored: one stream with a subject
 	// transform, or one stream per partition filled by an account mapping that [Ensure] probes
-	// for; empty ones get subjects.DefaultNames.
+	// for, or [subjects.AutoLayout], which [Ensure] resolves with [ChooseLayout]; empty ones get
+	// subjects.DefaultNames.
 	subjects.Names
+	// CallerSetsMapping says that the caller gives the server the account mapping of the
+	// partition streams itself once they are chosen (`run --embedded`): for a new deployment,
+	// [ChooseLayout] then picks [subjects.PartitionStreams] without probing.
+	CallerSetsMapping bool
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
 	// Mode is what devices publish into: INCOMING ([ModeStream], the default), or nothing
@@ -92,6 +97,11 @@ func (c *Config) Defaults() {
 // bucket saying which it did. It changes nothing that exists, but for the servers that lead the
 // partition streams with [Config.BalanceLeaders] (and then one more line). Safe to run any
 // number of times and from several replicas at once.
+//
+// In stream mode it resolves or checks the stream layout with [ChooseLayout] first (a layout
+// that contradicts the one the control bucket records is an error wrapping
+// [ErrLayoutConflict]) and, once everything exists, records it in the control bucket under
+// [subjects.LayoutKey], with one more report line.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
 	cfg.Defaults()
 	if cfg.Layout == nil {
@@ -108,6 +118,13 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	}
 	if cfg.GroupsHistory < 0 || cfg.GroupsHistory > MaxGroupsHistory {
 		return nil, fmt.Errorf("%w: groups history %d: a bucket keeps 1 to %d values per key", ErrInvalidConfig, cfg.GroupsHistory, MaxGroupsHistory)
+	}
+	if cfg.Mode == ModeStream {
+		choice, err := ChooseLayout(ctx, js, cfg)
+		if err != nil {
+			return nil, err
+		}
+		cfg.StreamLayout = choice.Layout
 	}
 	lay := cfg.Layout
 	var report []string
@@ -126,6 +143,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 		},
 		func() (string, error) { return ensureGroups(ctx, js, cfg) },
 		func() (string, error) { return ensureControl(ctx, js, cfg) },
+	}
+	if cfg.Mode == ModeStream {
+		steps = append(steps, func() (string, error) { return recordLayout(ctx, js, cfg) })
 	}
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })

@@ -42,9 +42,16 @@ func TestEnsureCreatesThenVerifies(t *testing.T) {
 	if err != nil {
 		t.Fatalf("second Ensure: %v", err)
 	}
-	if len(first) != 5 || len(second) != 5 {
-		t.Fatalf("Ensure reported %d then %d lines, want 5 each:\n%s\n%s", len(first), len(second), first, second)
+	if len(first) != 6 || len(second) != 6 {
+		t.Fatalf("Ensure reported %d then %d lines, want 6 each (five streams and buckets, the layout):\n%s\n%s", len(first), len(second), first, second)
 	}
+	if want := "recorded layout single in bucket kvmapper"; !strings.HasPrefix(first[5], want) {
+		t.Errorf("first run's last line %q, want %q…", first[5], want)
+	}
+	if want := "layout single, as recorded in bucket kvmapper"; !strings.HasPrefix(second[5], want) {
+		t.Errorf("second run's last line %q, want %q…", second[5], want)
+	}
+	first, second = first[:5], second[:5]
 	for i := range first {
 		if !strings.HasPrefix(first[i], "created ") {
 			t.Errorf("first run line %d = %q, want created …", i, first[i])

@@ -61,6 +61,12 @@ const (
 	// which costs the server one load per message whatever the number of partitions, and on a
 	// cluster each partition stream has its own leader.
 	PartitionStreams StreamLayout = "streams"
+	// AutoLayout is no layout but a request for one: the command line's default, which
+	// package setup resolves (setup.ChooseLayout, setup.RecordedLayout) into the deployment's
+	// layout, recorded in the control bucket under [LayoutKey], before anything reads INCOMING.
+	// The packages that read INCOMING take only a resolved layout; [ParseStreamLayout] does not
+	// accept it.
+	AutoLayout StreamLayout = "auto"
 )
 
 // ParseStreamLayout reads a layout's name, "single" or "streams"; "" is [SingleStream].
@@ -130,6 +136,11 @@ func CheckpointKey(p int) string { return KindCheckpoint + "." + strconv.Itoa(p)
 // at PARKED only when it exists, so that a deployment that never parked needs no permission on
 // PARKED.
 const ParkedKey = "parked"
+
+// LayoutKey is the control-bucket key that records a deployment's [StreamLayout]: setup writes
+// it ("single" or "streams") once it has created or verified INCOMING, and every command whose
+// layout is [AutoLayout] reads it, so that one deployment is never split across layouts.
+const LayoutKey = "layout"
 
 // ModeKey is the control-bucket key that says a deployment runs in direct mode, where devices
 // publish to no stream and the owner of each partition republishes what it receives to
