@@ -261,9 +261,9 @@ func (t *Table) put(device string, group []byte, valid bool, rev uint64) Entry {
 		// is a substring of the whole message subject.
 		s.long[strings.Clone(device)] = v
 	}
-	added := s.len() - before
+	// Counted under the shard's lock: a Lookup that sees the device sees it counted in Len.
+	t.n.Add(int64(s.len() - before))
 	s.mu.Unlock()
-	t.n.Add(int64(added))
 	t.bumpRevision(rev)
 	if !valid {
 		return Entry{Revision: rev, Invalid: true}
@@ -283,10 +283,10 @@ func (t *Table) remove(device string, rev uint64) bool {
 			delete(s.long, device)
 		}
 	}
-	s.mu.Unlock()
 	if existed {
-		t.n.Add(-1)
+		t.n.Add(-1) // under the lock: a Lookup that no longer sees the device sees Len without it
 	}
+	s.mu.Unlock()
 	t.bumpRevision(rev)
 	return existed
 }
@@ -312,8 +312,8 @@ func (t *Table) sweep() int {
 				gone = append(gone, k)
 			}
 		}
-		s.mu.Unlock()
 		t.n.Add(-int64(len(gone)))
+		s.mu.Unlock()
 		total += len(gone)
 		if t.onUpdate != nil {
 			for _, k := range gone {
