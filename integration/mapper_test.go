@@ -336,12 +336,15 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld.publish(devs, 50)
 	want := each(devs, 200)
 	perDevice(t, e.readStream("OUTGOING", 20_000, 90*time.Second), want)
-	// The restart must have hit publishes in flight: they failed and were resent.
+	// The restart must have hit publishes in flight: they failed. The lanes then resend them
+	// (retries) or, when the restart outlasted the leases, the next owner of each partition
+	// resumes from its checkpoint (OUTGOING drops what was stored as duplicates): either way
+	// the check above found every message once and in order.
 	failures := metric(t, metrics, "kvmapper_publish_failures_total")[""]
 	retries := metric(t, metrics, "kvmapper_publish_retries_total")[""]
 	t.Logf("restart after %d of the %d-message backlog had been sent and %d bytes more lost with the connection: %v publish failures, %v messages resent", atRestart, backlog, held, failures, retries)
-	if held < 64<<10 || failures == 0 || retries == 0 {
-		t.Errorf("%d bytes lost with the connection, kvmapper_publish_failures_total = %v, kvmapper_publish_retries_total = %v, want 64 KiB and both > 0: the restart hit no publish in flight, so this test proved nothing", held, failures, retries)
+	if held < 64<<10 || failures == 0 {
+		t.Errorf("%d bytes lost with the connection, kvmapper_publish_failures_total = %v, want 64 KiB and > 0: the restart hit no publish in flight, so this test proved nothing", held, failures)
 	}
 	m.stop()
 }
