@@ -247,7 +247,14 @@ func runAction(c *cli.Context) error {
 			Str("from", lay.In.String()).Str("to", lay.Out.String()).Str("unmapped", lay.Unmapped.String()).
 			Msg("groups table loaded; mapping")
 		if c.Bool("embedded") {
-			printNextSteps(c, servers, scfg)
+			// Once every partition is served: in direct mode a message nobody subscribes to
+			// yet gets "no responders", and the first command a new user tries would fail.
+			go func() {
+				waitServing(ctx, r, lay.Partitions, 15*time.Second)
+				if ctx.Err() == nil {
+					printNextSteps(c, servers, scfg)
+				}
+			}()
 		}
 	})
 	st := r.Stats()
@@ -343,6 +350,16 @@ func startEmbedded(listen, dir string, mappings map[string]string) (*server.Serv
 		return nil, "", fmt.Errorf("embedded NATS server did not listen on %s within 10s (is the port taken? use --listen)", listen)
 	}
 	return srv, srv.ClientURL(), nil
+}
+
+// waitServing waits until r serves all partitions, ctx ends or timeout passes.
+func waitServing(ctx context.Context, r *mapper.Replica, partitions int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for r.Serving() < partitions && time.Now().Before(deadline) {
+		if !sleep(ctx, 20*time.Millisecond) {
+			return
+		}
+	}
 }
 
 func printNextSteps(c *cli.Context, url string, cfg setup.Config) {

@@ -567,5 +567,9 @@ func (r *Replica) Devices() int { return r.table.Len() }
 // Owned returns the partitions this replica holds leases for, sorted.
 func (r *Replica) Owned() []int { return r.elector.Owned() }
 
+// Serving returns how many partitions this replica maps now: lanes running, or in direct mode
+// partitions subscribed and forwarding (a lease alone does not say so).
+func (r *Replica) Serving() int { return len(r.pool.Partitions()) }
+
 // Lookup returns the device's entry in this replica's groups table, as its lanes see it.
 func (r *Replica) Lookup(device string) (kv.Entry, bool) { return r.table.Lookup(device) }
