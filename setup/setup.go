@@ -317,6 +317,9 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 			LimitMarkerTTL: cfg.LimitMarkerTTL,
 		})
 		if err == nil {
+			if err := awaitNewLeader(ctx, js, subjects.BucketStream(cfg.Control)); err != nil {
+				return "", err
+			}
 			line := fmt.Sprintf("created bucket %s (leases, members, checkpoints)", cfg.Control)
 			return markMode(ctx, js, cfg, line)
 		}
@@ -340,6 +343,26 @@ func ensureControl(ctx context.Context, js jetstream.JetStream, cfg Config) (str
 			ErrMismatch, cfg.Control, cfg.Control)
 	}
 	return markMode(ctx, js, cfg, fmt.Sprintf("bucket %s ok", cfg.Control))
+}
+
+// awaitNewLeader waits until a stream just created has a leader: a replicated one elects it after
+// the create's answer, and a read of it until then gets "no responders".
+func awaitNewLeader(ctx context.Context, js jetstream.JetStream, stream string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for {
+		s, err := js.Stream(ctx, stream)
+		if err == nil && (s.CachedInfo().Cluster == nil || s.CachedInfo().Cluster.Leader != "") {
+			return nil
+		}
+		t := time.NewTimer(50 * time.Millisecond)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("setup: stream %s has no leader 30s after its creation: %w (is the cluster electing? `nats stream info %s`)", stream, ctx.Err(), stream)
+		}
+	}
 }
 
 // placementError explains, for a create that failed because the servers cannot hold replicas
