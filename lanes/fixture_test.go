@@ -163,7 +163,12 @@ func (f *fixture) newPool(cfg lanes.Config) *lanes.Pool {
 // func that cancels them and returns what each Run returned.
 func (f *fixture) run(cfg lanes.Config, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
 	f.t.Helper()
-	pool := f.newPool(cfg)
+	return f.runPool(f.newPool(cfg), valid)
+}
+
+// runPool is run with a pool of the caller's.
+func (f *fixture) runPool(pool *lanes.Pool, valid func(p int) bool) (*lanes.Pool, func() map[int]error) {
+	f.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	var mu sync.Mutex
