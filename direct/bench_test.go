@@ -108,7 +108,7 @@ func BenchmarkLatency(b *testing.B) {
 			start := time.Now()
 			for i := range b.N {
 				if d := time.Until(start.Add(time.Duration(i) * 100 * time.Microsecond)); d > 0 {
-					time.Sleep(d)
+					time.Sleep(d) // pacing the publishes at 10k msgs/s, not a synchronisation
 				}
 				mu.Lock()
 				sent[i] = time.Now()

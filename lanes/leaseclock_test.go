@@ -30,12 +30,12 @@ func TestLeaseClockReuse(t *testing.T) {
 		if reads != 0 {
 			t.Fatalf("holds read the clock %d times within %v of a reading, want 0", reads, leaseReuse)
 		}
-		time.Sleep(leaseReuse)
+		time.Sleep(leaseReuse) // the scenario, not a synchronisation: the reading must grow old
 		c.holds()
 		if reads != 1 {
 			t.Fatalf("holds read the clock %d times %v after the last reading, want 1", reads, leaseReuse)
 		}
-		time.Sleep(leaseReuse)
+		time.Sleep(leaseReuse) // the scenario, not a synchronisation: the reading must grow old
 		c.publish(1)
 		if reads != 2 {
 			t.Fatalf("publish read the clock %d times in all, want 2: the reading was %v old", reads, leaseReuse)
@@ -49,7 +49,7 @@ func TestLeaseClockReuse(t *testing.T) {
 		}
 
 		reads, ok = 0, false
-		time.Sleep(leaseReuse)
+		time.Sleep(leaseReuse) // the scenario, not a synchronisation: the reading must grow old
 		if c.publish(1) || c.holds() || c.publish(1) {
 			t.Fatal("the lease holds after the clock said it is lost")
 		}

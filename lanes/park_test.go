@@ -307,7 +307,7 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 			t.Fatalf("OUTGOING holds %d, %d purged: want the release cut short after a purge", stored, purged)
 		}
 		// Past the duplicate window: OUTGOING no longer recognises the ids of what was stored.
-		time.Sleep(oc.Duplicates + 100*time.Millisecond)
+		time.Sleep(oc.Duplicates + 100*time.Millisecond) // the scenario, not a synchronisation: the window must pass
 
 		pool, _ := f.run(cfg, nil)
 		f.waitOrDump(pool, "OUTGOING", total, 30*time.Second)
