@@ -43,7 +43,7 @@ type page struct {
 }
 
 // block is a fenced code block: its info string (sh, json…), its lines, the line of the file it
-// starts on (1-based, the opening fence), and the first line of prose after it.
+// starts on (1-based, the opening fence), and the paragraph of prose after it.
 type block struct {
 	info  string
 	lines []string
@@ -68,12 +68,7 @@ func readPage(t *testing.T, path string) page {
 			cur = &block{info: strings.TrimPrefix(trimmed, "```"), line: i + 1}
 			prose = append(prose, "")
 		case cur != nil && trimmed == "```":
-			for _, next := range lines[i+1:] {
-				if strings.TrimSpace(next) != "" {
-					cur.after = strings.TrimSpace(next)
-					break
-				}
-			}
+			cur.after = paragraphAfter(lines[i+1:])
 			p.blocks = append(p.blocks, *cur)
 			cur = nil
 			prose = append(prose, "")
@@ -89,6 +84,22 @@ func readPage(t *testing.T, path string) page {
 	}
 	p.prose = strings.Join(prose, "\n")
 	return p
+}
+
+// paragraphAfter returns the first paragraph of lines, joined by spaces.
+func paragraphAfter(lines []string) string {
+	var para []string
+	for _, l := range lines {
+		l = strings.TrimSpace(l)
+		if l == "" {
+			if len(para) > 0 {
+				break
+			}
+			continue
+		}
+		para = append(para, l)
+	}
+	return strings.Join(para, " ")
 }
 
 var (
