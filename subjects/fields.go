@@ -118,26 +118,26 @@ func parsePartition(s string, n int) (int, bool) {
 	return p, p < n
 }
 
-// AppendOut appends the Out subject for f and group to dst and returns the extended slice. It does
-// not allocate when dst has room. It does not validate group: check it once with [ValidToken] when
-// it is read. f must have been filled by l.Parse.
-func (l *Layout) AppendOut(dst []byte, f *Fields, group string) []byte {
-	return l.appendOps(dst, l.outOps, f, group)
+// AppendOut appends the Out subject for f and the device's values v to dst and returns the
+// extended slice. It does not allocate when dst has room. It does not check v: decode it once,
+// with l.Schema(), when the value is read. f must have been filled by l.Parse.
+func (l *Layout) AppendOut(dst []byte, f *Fields, v Values) []byte {
+	return l.appendOps(dst, l.outOps, f, v)
 }
 
 // AppendUnmapped appends the Unmapped subject for f to dst and returns the extended slice. It does
 // not allocate when dst has room. f must have been filled by l.Parse.
 func (l *Layout) AppendUnmapped(dst []byte, f *Fields) []byte {
-	return l.appendOps(dst, l.unmappedOps, f, "")
+	return l.appendOps(dst, l.unmappedOps, f, Values{})
 }
 
-func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, group string) []byte {
+func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, v Values) []byte {
 	for _, o := range ops {
 		switch o.kind {
 		case opLit:
 			dst = append(dst, o.text...)
-		case opGroup:
-			dst = append(dst, group...)
+		case opValue:
+			dst = append(dst, v.Get(o.idx)...)
 		case opField:
 			sp := f.spans[o.idx]
 			dst = append(dst, f.subject[sp.start:sp.end]...)

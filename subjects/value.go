@@ -1,0 +1,445 @@
+package subjects
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"unicode"
+	"unicode/utf8"
+	"unsafe"
+)
+
+// Errors a [ValueError] wraps, one per way a device's value can fail the templates.
+var (
+	// ErrInvalidValue: the value starts with '{' but is not one valid JSON object, or names a
+	// field the templates use twice.
+	ErrInvalidValue = errors.New("subjects: invalid value")
+	// ErrMissingField: the value has no field the templates use (or it is null).
+	ErrMissingField = errors.New("subjects: missing field")
+	// ErrInvalidField: a field the templates use cannot be rendered where it is used: not one valid
+	// subject token in the out template, not a valid header value, or a nested object, an array
+	// or a number with a fraction or an exponent.
+	ErrInvalidField = errors.New("subjects: invalid field")
+)
+
+// MaxFields is the largest number of distinct value fields the out and header templates of one
+// [Layout] may use together.
+const MaxFields = 32
+
+// MaxFieldLen is the longest a field used only in headers may be, in bytes; a field used in the
+// out template is a subject token, at most [MaxTokenLen].
+const MaxFieldLen = 1024
+
+// ValueError says why a device's value cannot be rendered by the templates. It wraps
+// [ErrInvalidValue], [ErrMissingField], [ErrInvalidField], or [ErrInvalidToken] for a plain
+// value that is not one valid token where the templates use {group}.
+type ValueError struct {
+	// Field is the field at fault; "" when the value as a whole is (not JSON, or a plain value).
+	Field string
+	// Err is the sentinel.
+	Err error
+	// Detail says what is wrong, for people, naming the field and where the templates use it.
+	Detail string
+}
+
+func (e *ValueError) Error() string { return e.Detail }
+
+// Unwrap returns Err.
+func (e *ValueError) Unwrap() error { return e.Err }
+
+// A Field is one field of a device's value that the templates use.
+type Field struct {
+	Name string
+	// Subject is set when the out template uses it: the field is one subject token.
+	Subject bool
+	// Headers are the output headers whose templates use it, in the order of the flags.
+	Headers []string
+}
+
+// where says where the templates use f, for error messages.
+func (f Field) where() string {
+	var parts []string
+	if f.Subject {
+		parts = append(parts, "the out template")
+	}
+	if len(f.Headers) == 1 {
+		parts = append(parts, "header "+f.Headers[0])
+	} else if len(f.Headers) > 1 {
+		parts = append(parts, "headers "+strings.Join(f.Headers, ", "))
+	}
+	return strings.Join(parts, " and ")
+}
+
+// Schema is what the templates of a [Layout] need of a device's value: the fields they use, each
+// checked for where it is used. It decodes values (see [Schema.Append]) into [Values], which the
+// layout renders without parsing anything again. A Schema is immutable and safe for concurrent use.
+//
+// A value is either JSON or plain. A value whose first byte is '{' is JSON: it must be one
+// object; its fields the templates use are taken by name (exactly, case and all), the others
+// ignored. A string is used as it is; an integer (no fraction, no exponent) as written, "-0" as
+// "0"; true and false as those words; null as no field at all. An object, an array or another
+// number is refused where it is used: placeholder names hold no dots, so there are no nested
+// paths. Any other value is plain: it is the value of {group}, exactly as before values could be
+// JSON, and every other field is missing.
+type Schema struct {
+	fields []Field
+	group  int // index of the field "group", or -1
+}
+
+// GroupSchema is the schema of the default templates: {group}, one subject token.
+var GroupSchema = &Schema{fields: []Field{{Name: group, Subject: true}}, group: 0}
+
+// Fields returns the fields a value must have, in the order [Values] holds them: the out
+// template's first, then the headers'. The slice is a copy the caller may keep.
+func (s *Schema) Fields() []Field {
+	out := make([]Field, len(s.fields))
+	for i, f := range s.fields {
+		f.Headers = append([]string(nil), f.Headers...)
+		out[i] = f
+	}
+	return out
+}
+
+// Len returns the number of fields.
+func (s *Schema) Len() int { return len(s.fields) }
+
+// Index returns the index of field name in [Values], or -1 when the templates do not use it.
+func (s *Schema) Index(name string) int {
+	for i, f := range s.fields {
+		if f.Name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// Group returns the index of {group} in [Values], or -1 when the templates do not use it.
+func (s *Schema) Group() int { return s.group }
+
+// Names returns the field names, in order.
+func (s *Schema) Names() []string {
+	out := make([]string, len(s.fields))
+	for i, f := range s.fields {
+		out[i] = f.Name
+	}
+	return out
+}
+
+// Values are the decoded fields of one device's value that a [Schema] needs, in its order, each
+// one checked for where the templates use it. A Values is an immutable string: copy it freely,
+// compare it with ==, use its bytes as a map key ([Values.String], [ValuesOf]). The zero Values
+// has no field.
+//
+// Its form, which [Schema.Append] writes: one byte n (the number of fields), n little-endian
+// uint16 end offsets from the start, then the fields' bytes one after the other.
+type Values struct{ s string }
+
+// ValuesOf returns the Values whose form is s, as [Values.String] returned it.
+func ValuesOf(s string) Values { return Values{s} }
+
+// String returns v's form.
+func (v Values) String() string { return v.s }
+
+// Len returns the number of fields v holds.
+func (v Values) Len() int {
+	if v.s == "" {
+		return 0
+	}
+	return int(v.s[0])
+}
+
+// Get returns field i, a substring of v; "" when v has no field i.
+func (v Values) Get(i int) string {
+	n := v.Len()
+	if i < 0 || i >= n {
+		return ""
+	}
+	start := 1 + 2*n
+	if i > 0 {
+		start = int(v.s[2*i-1]) | int(v.s[2*i])<<8
+	}
+	end := int(v.s[2*i+1]) | int(v.s[2*i+2])<<8
+	return v.s[start:end]
+}
+
+// PackValues returns the Values holding fields, in order. It checks nothing: it is for callers
+// whose fields are checked already (tests, and tables decoded elsewhere).
+func PackValues(fields ...string) Values {
+	return Values{string(appendPacked(nil, fields))}
+}
+
+func appendPacked(dst []byte, fields []string) []byte {
+	base := len(dst)
+	dst = append(dst, byte(len(fields)))
+	for range fields {
+		dst = append(dst, 0, 0)
+	}
+	for i, f := range fields {
+		dst = append(dst, f...)
+		end := len(dst) - base
+		dst[base+1+2*i], dst[base+2+2*i] = byte(end), byte(end>>8)
+	}
+	return dst
+}
+
+// Decode is [Schema.Append] into a new Values.
+func (s *Schema) Decode(value []byte) (Values, error) {
+	b, err := s.Append(nil, value)
+	if err != nil {
+		return Values{}, err
+	}
+	return Values{string(b)}, nil
+}
+
+// Append decodes value (see [Schema] for the rules), checks every field the templates use for
+// where they use it, and appends the [Values] form to dst; the caller turns the appended bytes
+// into a Values with [ValuesOf] (or looks them up as a map key first, without allocating).
+// The error is a *[ValueError]; dst is then returned unchanged. Append never panics, whatever
+// value holds, and allocates only for a JSON string with escapes, or to report an error.
+func (s *Schema) Append(dst, value []byte) ([]byte, error) {
+	if len(value) > 0 && value[0] == '{' {
+		return s.appendJSON(dst, value)
+	}
+	return s.appendPlain(dst, value)
+}
+
+func (s *Schema) appendPlain(dst, value []byte) ([]byte, error) {
+	for i, f := range s.fields {
+		if i == s.group {
+			continue
+		}
+		return dst, &ValueError{Field: f.Name, Err: ErrMissingField,
+			Detail: fmt.Sprintf("the value is not a JSON object, so it is {group} alone; it has no field %q, which %s uses", f.Name, f.where())}
+	}
+	if s.group < 0 {
+		return append(dst, 0), nil
+	}
+	if err := s.check(s.fields[s.group], view(value)); err != nil {
+		return dst, &ValueError{Err: ErrInvalidToken, Detail: "invalid group: " + err.Error()}
+	}
+	base := len(dst)
+	dst = append(dst, 1, 0, 0)
+	dst = append(dst, value...)
+	end := len(dst) - base
+	dst[base+1], dst[base+2] = byte(end), byte(end>>8)
+	return dst, nil
+}
+
+// check reports why v cannot be used where the templates use f, or nil.
+func (s *Schema) check(f Field, v string) error {
+	if f.Subject {
+		return ValidToken(v)
+	}
+	return validHeaderValue(v)
+}
+
+// validHeaderValue reports why v cannot be the value of a header, or a part of one: it must be
+// non-empty, at most MaxFieldLen bytes of valid UTF-8 with no control character (no line breaks,
+// which would end the header) and no white space at either end (which NATS clients trim).
+func validHeaderValue(v string) error {
+	switch {
+	case v == "":
+		return errors.New("empty")
+	case len(v) > MaxFieldLen:
+		return fmt.Errorf("longer than %d bytes (%d)", MaxFieldLen, len(v))
+	}
+	for i, r := range v {
+		switch {
+		case r == utf8.RuneError && isInvalidAt(v, i):
+			return fmt.Errorf("%q is not valid UTF-8 at byte %d", v, i)
+		case unicode.IsControl(r):
+			return fmt.Errorf("%q contains a control character at byte %d", v, i)
+		}
+	}
+	first, _ := utf8.DecodeRuneInString(v)
+	last, _ := utf8.DecodeLastRuneInString(v)
+	if unicode.IsSpace(first) || unicode.IsSpace(last) {
+		return fmt.Errorf("%q starts or ends with white space", v)
+	}
+	return nil
+}
+
+// view returns b's bytes as a string without copying them, for checks that keep no reference to
+// it once they return (their errors quote it into a string of their own).
+func view(b []byte) string {
+	if len(b) == 0 {
+		return ""
+	}
+	return unsafe.String(&b[0], len(b))
+}
+
+// span of a field's JSON value in the value being decoded; end 0 means not found.
+type jsonSpan struct{ start, end int }
+
+func (s *Schema) appendJSON(dst, value []byte) ([]byte, error) {
+	if !json.Valid(value) {
+		return dst, &ValueError{Err: ErrInvalidValue, Detail: "the value starts with '{' but is not valid JSON: " + syntaxError(value)}
+	}
+	var found [MaxFields]jsonSpan
+	i := skipSpace(value, 1)
+	for value[i] != '}' {
+		ks := i
+		i = skipString(value, i)
+		key := value[ks+1 : i-1]
+		i = skipSpace(value, i)
+		i = skipSpace(value, i+1) // the colon
+		vs := i
+		i = skipValue(value, i)
+		if idx := s.keyIndex(key); idx >= 0 {
+			if found[idx].end != 0 {
+				return dst, &ValueError{Field: s.fields[idx].Name, Err: ErrInvalidValue,
+					Detail: fmt.Sprintf("field %q appears twice in the value", s.fields[idx].Name)}
+			}
+			found[idx] = jsonSpan{vs, i}
+		}
+		i = skipSpace(value, i)
+		if value[i] == ',' {
+			i = skipSpace(value, i+1)
+		}
+	}
+	base := len(dst)
+	dst = append(dst, byte(len(s.fields)))
+	for range s.fields {
+		dst = append(dst, 0, 0)
+	}
+	for idx, f := range s.fields {
+		sp := found[idx]
+		raw := value[sp.start:sp.end]
+		if sp.end == 0 || string(raw) == "null" {
+			return dst[:base], &ValueError{Field: f.Name, Err: ErrMissingField,
+				Detail: fmt.Sprintf("the value has no field %q, which %s uses", f.Name, f.where())}
+		}
+		start := len(dst)
+		var bad string
+		switch c := raw[0]; {
+		case c == '"':
+			if bytes.IndexByte(raw, '\\') < 0 {
+				dst = append(dst, raw[1:len(raw)-1]...)
+				break
+			}
+			var v string
+			if err := json.Unmarshal(raw, &v); err != nil {
+				return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidValue, Detail: fmt.Sprintf("field %q: %v", f.Name, err)}
+			}
+			dst = append(dst, v...)
+		case c == 't' || c == 'f':
+			dst = append(dst, raw...)
+		case c == '{':
+			bad = "is an object; nested values are not used: give the templates a field of its own, e.g. \"site_floor\""
+		case c == '[':
+			bad = "is an array; arrays are not used: give the templates a field of its own"
+		default: // a number
+			if bytes.ContainsAny(raw, ".eE") {
+				bad = fmt.Sprintf("is the number %s; only integers are used: write it as a string to use it as it is", raw)
+				break
+			}
+			if string(raw) == "-0" {
+				raw = raw[1:]
+			}
+			dst = append(dst, raw...)
+		}
+		if bad == "" {
+			if err := s.check(f, view(dst[start:])); err != nil {
+				bad = strings.TrimPrefix(err.Error(), ErrInvalidToken.Error()+": ")
+			}
+		}
+		if bad != "" {
+			return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidField,
+				Detail: fmt.Sprintf("field %q, which %s uses: %s", f.Name, f.where(), bad)}
+		}
+		end := len(dst) - base
+		if end > 0xffff {
+			return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidField,
+				Detail: fmt.Sprintf("field %q: the fields the templates use are longer than 64 KiB together", f.Name)}
+		}
+		dst[base+1+2*idx], dst[base+2+2*idx] = byte(end), byte(end>>8)
+	}
+	return dst, nil
+}
+
+// keyIndex returns the index of the field whose name is the JSON string body key, or -1.
+func (s *Schema) keyIndex(key []byte) int {
+	if bytes.IndexByte(key, '\\') >= 0 {
+		var k string
+		if json.Unmarshal(append(append([]byte{'"'}, key...), '"'), &k) != nil {
+			return -1
+		}
+		key = []byte(k)
+	}
+	for i, f := range s.fields {
+		if string(key) == f.Name {
+			return i
+		}
+	}
+	return -1
+}
+
+// syntaxError says where value stops being JSON; value is known to be invalid.
+func syntaxError(value []byte) string {
+	var v any
+	err := json.Unmarshal(value, &v)
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Sprintf("%v (at byte %d)", se, se.Offset)
+	}
+	if err != nil {
+		return err.Error()
+	}
+	return "not one object"
+}
+
+// The scanners below read JSON that json.Valid accepted: they never check syntax and never run
+// past the end of it.
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the index after the string starting at b[i] == '"'.
+func skipString(b []byte, i int) int {
+	for i++; i < len(b); i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+	return i
+}
+
+// skipValue returns the index after the value starting at b[i].
+func skipValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return skipString(b, i)
+	case '{', '[':
+		depth := 0
+		for ; i < len(b); i++ {
+			switch b[i] {
+			case '"':
+				i = skipString(b, i) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return i + 1
+				}
+			}
+		}
+		return i
+	}
+	for i < len(b) {
+		switch b[i] {
+		case ',', '}', ']', ' ', '\t', '\n', '\r':
+			return i
+		}
+		i++
+	}
+	return i
+}
