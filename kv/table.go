@@ -1,6 +1,7 @@
 package kv
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"hash/maphash"
@@ -14,6 +15,8 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/ratelog"
+	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // ErrInvalidConfig is wrapped by the error [New] returns for an unusable argument.
@@ -36,6 +39,10 @@ type Config struct {
 	// CheckInterval is how often Run asks the server whether the bucket still exists and the
 	// watcher keeps up with it; nats.go alone notices neither for 10–20 s. Default 1s.
 	CheckInterval time.Duration
+	// Schema says what the templates need of a device's value (subjects.Layout.Schema): each
+	// value is decoded and checked against it once, when the table reads it. Default
+	// subjects.GroupSchema: {group}, one subject token.
+	Schema *subjects.Schema
 }
 
 // Update describes one change applied to a [Table], as passed to [Config.OnUpdate].
@@ -46,24 +53,40 @@ type Update struct {
 	Initial bool // the change belongs to a watch's initial values, not a live update
 }
 
-// Entry is what the table holds for one device.
+// Entry is what the table holds for one device: the value decoded by the table's schema, or why
+// the templates cannot use it.
 type Entry struct {
-	Group    string // valid group token, or "" when Invalid
+	// Values are the fields the templates use (see subjects.Schema); empty when Invalid.
+	Values subjects.Values
+	// Group is the field {group}, when the templates use it; "" when Invalid.
+	Group    string
 	Revision uint64 // KV revision of the value
-	Invalid  bool   // the value is not one valid subject token (see subjects.IsValidToken)
+	// Invalid is set when the templates cannot use the value; Reason, Field and Detail say why.
+	Invalid bool
+	// Reason is one of wire.ValueReasons: wire.ReasonInvalidGroup for a plain value that is not
+	// one valid subject token, wire.ReasonInvalidValue, ReasonMissingField or ReasonInvalidField
+	// for a JSON one.
+	Reason string
+	Field  string // the field at fault; "" when the value as a whole is
+	Detail string // what is wrong, for people
 }
 
 // numShards must be a power of two. 256 locks keep 16 concurrent readers (and the one writer)
 // mostly on different cache lines while costing only 16 KiB.
 const numShards = 256
 
-// slot is what a shard map stores per device: 16 bytes with no pointers. group indexes Table.groups; 0 means invalid. gen is the watch generation that last
-// wrote the slot, used to sweep devices that disappeared while the watch was down.
+// slot is what a shard map stores per device: 16 bytes with no pointers. rec indexes
+// Table.records, with invalidRec set when the record says why the value is unusable. gen is the
+// watch generation that last wrote the slot, used to sweep devices that disappeared while the
+// watch was down.
 type slot struct {
-	rev   uint64
-	group uint32
-	gen   uint32
+	rev uint64
+	rec uint32
+	gen uint32
 }
+
+// invalidRec marks, in slot.rec, the index of a record of an unusable value.
+const invalidRec = 1 << 31
 
 // shortKey holds a device id of up to shortKeyMax bytes inline, its length in the last byte.
 // Keeping ids inside the map slot saves a pointer chase (a second cache miss) per Lookup in a
@@ -110,8 +133,11 @@ func (s *shard) get(device string) (slot, bool) {
 // per-shard lock gives readers the same guarantee (an entry is never seen half-applied, and
 // readers get a copy, never a reference into the table) with zero allocations and little
 // contention, since 16 readers rarely meet on one of 256 locks. Each entry is 16 bytes
-// (revision, interned group index, watch generation) plus its key; group names are interned in
-// an append-only slice published through an atomic pointer.
+// (revision, record index, watch generation) plus its key. The records are the decoded values
+// (subjects.Values), or what is wrong with them, interned: devices with the same value share
+// one, so that a fleet routed on a few groups, regions and tenants costs no more per device
+// than one routed on a group alone. A record lives in a slice published through an atomic
+// pointer, counted by the devices using it, and its index is reused once none does.
 type Table struct {
 	bucket     jetstream.KeyValue
 	log        zerolog.Logger
@@ -122,12 +148,17 @@ type Table struct {
 
 	seed   maphash.Seed
 	shards [numShards]shard
-	// groups is append-only; index 0 is the invalid group "". The writer appends in place
+	schema *subjects.Schema
+	// records holds each record in its packed form (see record). The writer appends in place
 	// (or into a fresh array) before publishing the longer header, so a reader never indexes
-	// past the header it loaded.
-	groups atomic.Pointer[[]string]
-	n      atomic.Int64
-	rev    atomic.Uint64
+	// past the header it loaded; it writes an index again only once no slot refers to it, and
+	// a reader reads a record under the lock of the shard whose slot gave it the index, so
+	// that a reused index is never read for the record it held before.
+	records atomic.Pointer[[]string]
+	// invalid counts the devices with an unusable value, by reason (wire.ValueReasons order).
+	invalid [4]atomic.Int64
+	n       atomic.Int64
+	rev     atomic.Uint64
 	// watchRev is the highest revision the current watcher delivered, for the stall check.
 	watchRev atomic.Uint64
 	// loaded is the last completed load, nil before the first; CatchUp compares with it.
@@ -144,10 +175,13 @@ type Table struct {
 	// goroutine; successive ones are ordered by the WaitGroup that waits for each.
 	stalledAt uint64
 
-	// Owned by the goroutine running Run.
-	intern  map[string]uint32
+	// Owned by the writer: the goroutine running Run.
+	intern  map[string]uint32 // packed record → index
+	refs    []uint32          // by record index: the slots referring to it
+	free    []uint32          // record indexes no slot refers to
+	scratch []byte            // the record being decoded
 	gen     uint32
-	invalid ratelog.Limiter // one warning a second about invalid values
+	warn    ratelog.Limiter // one warning a second about invalid values
 }
 
 // New returns a Table for bucket. It does no I/O: call [Table.Run] to load and watch the bucket.
@@ -182,6 +216,7 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 		retryMax:   cfg.RetryMax,
 		checkEvery: cfg.CheckInterval,
 		seed:       maphash.MakeSeed(),
+		schema:     cmp.Or(cfg.Schema, subjects.GroupSchema),
 		ready:      make(chan struct{}),
 		intern:     make(map[string]uint32),
 	}
@@ -189,8 +224,8 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 		t.shards[i].short = make(map[shortKey]slot)
 		t.shards[i].long = make(map[string]slot)
 	}
-	groups := []string{""}
-	t.groups.Store(&groups)
+	var records []string
+	t.records.Store(&records)
 	return t
 }
 
@@ -200,21 +235,106 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 func (t *Table) Ready() <-chan struct{} { return t.ready }
 
 // Lookup returns the device's entry; ok is false when the device has no key (never put, deleted
-// or purged). An invalid value gives ok true with Invalid set.
+// or purged). A value the templates cannot use gives ok true with Invalid set.
 // Safe for concurrent use; zero allocations.
 func (t *Table) Lookup(device string) (e Entry, ok bool) {
 	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
 	s.mu.RLock()
 	v, ok := s.get(device)
+	var rec string
+	if ok {
+		// Under the lock: the writer reuses an index only once no slot refers to it.
+		rec = (*t.records.Load())[v.rec&^invalidRec]
+	}
 	s.mu.RUnlock()
 	if !ok {
 		return Entry{}, false
 	}
-	if v.group == 0 {
-		return Entry{Revision: v.rev, Invalid: true}, true
+	return t.entry(rec, v.rec&invalidRec != 0, v.rev), true
+}
+
+// entry unpacks a record.
+func (t *Table) entry(rec string, invalid bool, rev uint64) Entry {
+	if invalid {
+		return invalidEntry(rec, rev)
 	}
-	// The index was written after the group was published, and the shard lock orders the two.
-	return Entry{Group: (*t.groups.Load())[v.group], Revision: v.rev}, true
+	e := Entry{Values: subjects.ValuesOf(rec), Revision: rev}
+	if g := t.schema.Group(); g >= 0 {
+		e.Group = e.Values.Get(g)
+	}
+	return e
+}
+
+// An invalid record is "\xff" + reason + "\x00" + field + "\x00" + detail: its first byte
+// tells it from a packed subjects.Values, whose first byte counts at most subjects.MaxFields.
+const invalidMark = 0xff
+
+func appendInvalid(dst []byte, reason, field, detail string) []byte {
+	dst = append(dst, invalidMark)
+	dst = append(append(dst, reason...), 0)
+	dst = append(append(dst, field...), 0)
+	return append(dst, detail...)
+}
+
+func invalidEntry(rec string, rev uint64) Entry {
+	reason, rest, _ := strings.Cut(rec[1:], "\x00")
+	field, detail, _ := strings.Cut(rest, "\x00")
+	return Entry{Revision: rev, Invalid: true, Reason: reason, Field: field, Detail: detail}
+}
+
+// appendRecord decodes value with schema and appends its record to dst: the packed Values, or
+// an invalid record that says why.
+func appendRecord(dst []byte, schema *subjects.Schema, value []byte) (rec []byte, invalid bool) {
+	b, err := schema.Append(dst, value)
+	if err == nil {
+		return b, false
+	}
+	var ve *subjects.ValueError
+	if !errors.As(err, &ve) {
+		ve = &subjects.ValueError{Err: subjects.ErrInvalidValue, Detail: err.Error()}
+	}
+	return appendInvalid(dst, reasonOf(ve), ve.Field, ve.Detail), true
+}
+
+// reasonOf is the dead-letter reason of a value error.
+func reasonOf(ve *subjects.ValueError) string {
+	switch {
+	case errors.Is(ve, subjects.ErrMissingField):
+		return wire.ReasonMissingField
+	case errors.Is(ve, subjects.ErrInvalidField):
+		return wire.ReasonInvalidField
+	case errors.Is(ve, subjects.ErrInvalidToken):
+		return wire.ReasonInvalidGroup
+	}
+	return wire.ReasonInvalidValue
+}
+
+// DecodeEntry decodes value, a device's value written at revision rev, with schema (nil:
+// subjects.GroupSchema), as a [Table] does: trailing line breaks dropped, then the Values the
+// templates render, or why they cannot. The entry shares no memory with value.
+func DecodeEntry(schema *subjects.Schema, value []byte, rev uint64) Entry {
+	schema = cmp.Or(schema, subjects.GroupSchema)
+	rec, invalid := appendRecord(nil, schema, trimNewlines(value))
+	if invalid {
+		return invalidEntry(string(rec), rev)
+	}
+	e := Entry{Values: subjects.ValuesOf(string(rec)), Revision: rev}
+	if g := schema.Group(); g >= 0 {
+		e.Group = e.Values.Get(g)
+	}
+	return e
+}
+
+// Invalid returns the number of devices whose value the templates cannot use, by reason (the
+// reasons of wire.ValueReasons that have any). Safe for concurrent use.
+func (t *Table) Invalid() map[string]int {
+	out := map[string]int{}
+	for i, r := range wire.ValueReasons {
+		if n := t.invalid[i].Load(); n > 0 {
+			out[r] = int(n)
+		}
+	}
+	return out
 }
 
 // Len returns the number of devices in the table, invalid ones included.
@@ -230,63 +350,107 @@ func (t *Table) shard(device string) *shard {
 	return &t.shards[maphash.String(t.seed, device)&(numShards-1)]
 }
 
-// groupIndex returns the interned index of group, adding it if new. Only the writer calls it.
-func (t *Table) groupIndex(group []byte) uint32 {
-	if i, ok := t.intern[string(group)]; ok {
-		return i
+// record returns the index of value's record, interned, with one more reference to it, and the
+// entry it makes. Only the writer calls it.
+func (t *Table) record(value []byte, rev uint64) (uint32, Entry) {
+	b, invalid := appendRecord(t.scratch[:0], t.schema, value)
+	t.scratch = b[:0]
+	i, ok := t.intern[string(b)]
+	if !ok {
+		rec := string(b)
+		records := *t.records.Load()
+		if n := len(t.free); n > 0 {
+			i, t.free = t.free[n-1], t.free[:n-1]
+			records[i] = rec // no slot refers to i, so no reader reads it
+			t.refs[i] = 0
+		} else {
+			i = uint32(len(records))
+			records = append(records, rec)
+			t.refs = append(t.refs, 0)
+			t.records.Store(&records)
+		}
+		t.intern[rec] = i
 	}
-	g := string(group)
-	groups := *t.groups.Load()
-	i := uint32(len(groups))
-	groups = append(groups, g)
-	t.groups.Store(&groups)
-	t.intern[g] = i
-	return i
+	t.refs[i]++
+	rec := (*t.records.Load())[i]
+	if invalid {
+		e := invalidEntry(rec, rev)
+		t.invalid[reasonIndex(e.Reason)].Add(1)
+		return i | invalidRec, e
+	}
+	return i, t.entry(rec, false, rev)
 }
 
-// put stores device → group (or invalid when group is nil) and reports the stored entry.
-func (t *Table) put(device string, group []byte, valid bool, rev uint64) Entry {
-	var idx uint32
-	if valid {
-		idx = t.groupIndex(group)
+// release drops one reference to record r, which a slot no longer holds, and frees its index
+// when it was the last. Only the writer calls it, after the slot's shard lock was released.
+func (t *Table) release(r uint32) {
+	i := r &^ invalidRec
+	records := *t.records.Load()
+	if r&invalidRec != 0 {
+		t.invalid[reasonIndex(invalidEntry(records[i], 0).Reason)].Add(-1)
 	}
+	if t.refs[i]--; t.refs[i] == 0 {
+		delete(t.intern, records[i])
+		records[i] = ""
+		t.free = append(t.free, i)
+	}
+}
+
+func reasonIndex(reason string) int {
+	for i, r := range wire.ValueReasons {
+		if r == reason {
+			return i
+		}
+	}
+	return len(wire.ValueReasons) - 1
+}
+
+// put stores device's value, written at revision rev, and reports the stored entry.
+func (t *Table) put(device string, value []byte, rev uint64) Entry {
+	rec, e := t.record(value, rev)
 	s := t.shard(device)
 	s.mu.Lock()
-	before := s.len()
-	v := slot{rev: rev, group: idx, gen: t.gen}
+	v := slot{rev: rev, rec: rec, gen: t.gen}
+	var old slot
+	var existed bool
 	if k, ok := makeShortKey(device); ok {
+		old, existed = s.short[k]
 		s.short[k] = v
 	} else {
+		old, existed = s.long[device]
 		// Cloned on every write: map assignment replaces a string key, and the watcher's key
 		// is a substring of the whole message subject.
 		s.long[strings.Clone(device)] = v
 	}
-	// Counted under the shard's lock: a Lookup that sees the device sees it counted in Len.
-	t.n.Add(int64(s.len() - before))
-	s.mu.Unlock()
-	t.bumpRevision(rev)
-	if !valid {
-		return Entry{Revision: rev, Invalid: true}
+	if !existed {
+		// Counted under the shard's lock: a Lookup that sees the device sees it counted in Len.
+		t.n.Add(1)
 	}
-	return Entry{Group: (*t.groups.Load())[idx], Revision: rev}
+	s.mu.Unlock()
+	if existed {
+		t.release(old.rec)
+	}
+	t.bumpRevision(rev)
+	return e
 }
 
 // remove deletes device and reports whether it was present.
 func (t *Table) remove(device string, rev uint64) bool {
 	s := t.shard(device)
 	s.mu.Lock()
-	_, existed := s.get(device)
+	old, existed := s.get(device)
 	if existed {
 		if k, ok := makeShortKey(device); ok {
 			delete(s.short, k)
 		} else {
 			delete(s.long, device)
 		}
-	}
-	if existed {
 		t.n.Add(-1) // under the lock: a Lookup that no longer sees the device sees Len without it
 	}
 	s.mu.Unlock()
+	if existed {
+		t.release(old.rec)
+	}
 	t.bumpRevision(rev)
 	return existed
 }
@@ -295,25 +459,29 @@ func (t *Table) remove(device string, rev uint64) bool {
 // the watch was down with their markers gone, or all of them if the bucket was recreated.
 func (t *Table) sweep() int {
 	var gone []string
+	var recs []uint32
 	total := 0
 	for i := range t.shards {
 		s := &t.shards[i]
-		gone = gone[:0]
+		gone, recs = gone[:0], recs[:0]
 		s.mu.Lock()
 		for k, v := range s.short {
 			if v.gen != t.gen {
 				delete(s.short, k)
-				gone = append(gone, k.String())
+				gone, recs = append(gone, k.String()), append(recs, v.rec)
 			}
 		}
 		for k, v := range s.long {
 			if v.gen != t.gen {
 				delete(s.long, k)
-				gone = append(gone, k)
+				gone, recs = append(gone, k), append(recs, v.rec)
 			}
 		}
 		t.n.Add(-int64(len(gone)))
 		s.mu.Unlock()
+		for _, r := range recs {
+			t.release(r)
+		}
 		total += len(gone)
 		if t.onUpdate != nil {
 			for _, k := range gone {

@@ -217,7 +217,7 @@ func (s *Schema) appendPlain(dst, value []byte) ([]byte, error) {
 		return append(dst, 0), nil
 	}
 	if err := s.check(s.fields[s.group], view(value)); err != nil {
-		return dst, &ValueError{Err: ErrInvalidToken, Detail: "invalid group: " + err.Error()}
+		return dst, &ValueError{Err: ErrInvalidToken, Detail: "the value is {group}, and " + strings.TrimPrefix(err.Error(), ErrInvalidToken.Error()+": ")}
 	}
 	base := len(dst)
 	dst = append(dst, 1, 0, 0)

@@ -1,0 +1,169 @@
+package kv_test
+
+import (
+	"fmt"
+	"maps"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/kv"
+	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
+)
+
+// metaSchema is the schema of outgoing.{region}.{group}.{device}.{event} with a Tenant header.
+func metaSchema(t testing.TB) *subjects.Schema {
+	t.Helper()
+	l, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{region}.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l, err = l.WithHeaders([]string{"Tenant={tenant}"}); err != nil {
+		t.Fatal(err)
+	}
+	return l.Schema()
+}
+
+// TestStructuredValues: JSON values through a real bucket and watch, each field where the
+// templates want it, a change of several fields applied at once, and every bad value held with
+// the reason and field it fails on, counted by reason until it is fixed or deleted.
+func TestStructuredValues(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	b := createBucket(t, js)
+	tb := newTable(t, b, kv.Config{Schema: metaSchema(t)})
+	run(t, tb)
+	waitReady(t, tb)
+
+	fieldsAre := func(device string, rev uint64, region, group, tenant string) func() error {
+		return func() error {
+			e, ok := tb.Lookup(device)
+			want := subjects.PackValues(region, group, tenant)
+			if !ok || e.Invalid || e.Revision != rev || e.Values != want || e.Group != group {
+				return fmt.Errorf("Lookup(%s) = %+v, %v; want region %s, group %s, tenant %s at revision %d", device, e, ok, region, group, tenant, rev)
+			}
+			return nil
+		}
+	}
+	rev := put(t, b, "dev-42", `{"group":"g7","region":"eu","tenant":"acme","notes":{"any":["thing"]}}`)
+	natstest.Eventually(t, wait, fieldsAre("dev-42", rev, "eu", "g7", "acme"))
+	rev = put(t, b, "dev-42", `{"group":"g8","region":"us","tenant":"acme"}`+"\n")
+	natstest.Eventually(t, wait, fieldsAre("dev-42", rev, "us", "g8", "acme"))
+
+	bad := []struct {
+		device, value, reason, field string
+	}{
+		{"plain", "g7", wire.ReasonMissingField, "region"},
+		{"no-tenant", `{"group":"g7","region":"eu"}`, wire.ReasonMissingField, "tenant"},
+		{"null", `{"group":"g7","region":null,"tenant":"t"}`, wire.ReasonMissingField, "region"},
+		{"dotted", `{"group":"g7","region":"eu.west","tenant":"t"}`, wire.ReasonInvalidField, "region"},
+		{"nested", `{"group":{"id":7},"region":"eu","tenant":"t"}`, wire.ReasonInvalidField, "group"},
+		{"crlf", `{"group":"g7","region":"eu","tenant":"a\r\nNats-Msg-Id: x"}`, wire.ReasonInvalidField, "tenant"},
+		{"broken", `{"group":"g7",`, wire.ReasonInvalidValue, ""},
+		{"twice", `{"group":"g7","group":"g8","region":"eu","tenant":"t"}`, wire.ReasonInvalidValue, "group"},
+	}
+	for _, c := range bad {
+		rev := put(t, b, c.device, c.value)
+		natstest.Eventually(t, wait, func() error {
+			e, ok := tb.Lookup(c.device)
+			if !ok || !e.Invalid || e.Revision != rev || e.Reason != c.reason || e.Field != c.field || e.Detail == "" || e.Values != (subjects.Values{}) {
+				return fmt.Errorf("Lookup(%s) = %+v, %v; want invalid at revision %d with reason %s, field %q", c.device, e, ok, rev, c.reason, c.field)
+			}
+			return nil
+		})
+	}
+	want := map[string]int{wire.ReasonMissingField: 3, wire.ReasonInvalidField: 3, wire.ReasonInvalidValue: 2}
+	if got := tb.Invalid(); !maps.Equal(got, want) {
+		t.Errorf("Invalid() = %v, want %v", got, want)
+	}
+	// Fixed, deleted: no longer counted.
+	rev = put(t, b, "plain", `{"group":"g7","region":"eu","tenant":"t"}`)
+	natstest.Eventually(t, wait, fieldsAre("plain", rev, "eu", "g7", "t"))
+	if err := b.Delete(t.Context(), "broken"); err != nil {
+		t.Fatal(err)
+	}
+	natstest.Eventually(t, wait, absent(tb, "broken"))
+	want = map[string]int{wire.ReasonMissingField: 2, wire.ReasonInvalidField: 3, wire.ReasonInvalidValue: 1}
+	if got := tb.Invalid(); !maps.Equal(got, want) {
+		t.Errorf("Invalid() = %v after a fix and a delete, want %v", got, want)
+	}
+}
+
+// TestRecordsShared: devices with the same value share one record; a record no device uses any
+// more gives its index back, and the next new value takes it.
+func TestRecordsShared(t *testing.T) {
+	tb := kv.NewUnbound(kv.Config{Schema: metaSchema(t)})
+	for i := range 1000 {
+		tb.PutForTest(fmt.Sprintf("dev-%d", i), fmt.Sprintf(`{"group":"g%d","region":"r%d","tenant":"acme"}`, i%10, i%5), uint64(i+1))
+	}
+	if n, free := tb.RecordsForTest(); n != 10 || free != 0 {
+		t.Fatalf("1000 devices on 10 distinct values: %d records, %d free; want 10 and 0", n, free)
+	}
+	for i := 0; i < 1000; i += 10 { // every device of g0/r0
+		tb.PutForTest(fmt.Sprintf("dev-%d", i), `{"group":"g0","region":"r9","tenant":"acme"}`, uint64(2000+i))
+	}
+	if n, free := tb.RecordsForTest(); n != 11 || free != 1 {
+		t.Fatalf("after moving every device off one value: %d records, %d free; want 11 and 1", n, free)
+	}
+	tb.PutForTest("dev-new", `{"group":"g0","region":"r8","tenant":"acme"}`, 5000)
+	if n, free := tb.RecordsForTest(); n != 11 || free != 0 {
+		t.Fatalf("a new value after a freed one: %d records, %d free; want 11 and 0 (the index reused)", n, free)
+	}
+	for i := 1; i < 1000; i += 10 {
+		tb.DeleteForTest(fmt.Sprintf("dev-%d", i), uint64(6000+i))
+	}
+	if _, free := tb.RecordsForTest(); free != 1 {
+		t.Fatalf("after deleting every device of one value: %d free; want 1", free)
+	}
+	if e, ok := tb.Lookup("dev-new"); !ok || e.Values != subjects.PackValues("r8", "g0", "acme") {
+		t.Fatalf("Lookup(dev-new) = %+v, %v; want the value it was put with", e, ok)
+	}
+}
+
+// TestRecordReuseUnderReaders: while one writer keeps giving every device a value of its own
+// (each put frees the device's previous record, whose index the next put reuses at once),
+// readers never see a record of another device or another revision. Run with -race: the
+// detector also sees a record read outside the lock that orders it.
+func TestRecordReuseUnderReaders(t *testing.T) {
+	tb := kv.NewUnbound(kv.Config{Schema: metaSchema(t)})
+	const devices = 64
+	value := func(d int, rev uint64) string {
+		return fmt.Sprintf(`{"group":"g%d","region":"dev-%d","tenant":"%d"}`, rev, d, rev)
+	}
+	var rev uint64
+	for d := range devices {
+		rev++
+		tb.PutForTest(fmt.Sprintf("dev-%d", d), value(d, rev), rev)
+	}
+	var stop atomic.Bool
+	var wrong atomic.Value
+	var wg sync.WaitGroup
+	for r := range 4 {
+		wg.Go(func() {
+			for i := r; !stop.Load(); i++ {
+				d := i % devices
+				dev := fmt.Sprintf("dev-%d", d)
+				e, ok := tb.Lookup(dev)
+				if !ok || e.Invalid || e.Values.Get(0) != dev || e.Group != fmt.Sprintf("g%d", e.Revision) || e.Values.Get(2) != fmt.Sprint(e.Revision) {
+					wrong.Store(fmt.Sprintf("Lookup(%s) = %+v, %v: fields of another device or revision", dev, e, ok))
+					return
+				}
+			}
+		})
+	}
+	for range 20000 {
+		rev++
+		d := int(rev) % devices
+		tb.PutForTest(fmt.Sprintf("dev-%d", d), value(d, rev), rev)
+	}
+	stop.Store(true)
+	wg.Wait()
+	if w := wrong.Load(); w != nil {
+		t.Fatal(w)
+	}
+	if n, free := tb.RecordsForTest(); n > devices+1 || free > 1 {
+		t.Errorf("%d records (%d free) for %d devices with a value each: indexes are not reused", n, free, devices)
+	}
+}
