@@ -515,3 +515,9 @@ func (t *Table) bumpRevision(rev uint64) {
 }
 
 func (t *Table) markReady() { t.readyOnce.Do(func() { close(t.ready) }) }
+
+// Mapping returns e as the lanes and direct mode take it: its values and revision, or the
+// reason, field and detail of an unusable value.
+func (e Entry) Mapping() subjects.Mapping {
+	return subjects.Mapping{Values: e.Values, Revision: e.Revision, Reason: e.Reason, Field: e.Field, Detail: e.Detail}
+}

@@ -159,6 +159,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		metricsListen: cfg.MetricsListen, version: cfg.Version}
 	tcfg := cfg.Table
 	tcfg.Logger = log.With().Str("component", "kv").Logger()
+	if tcfg.Schema == nil && cfg.Lanes.Layout != nil {
+		tcfg.Schema = cfg.Lanes.Layout.Schema() // the table decodes values once, for these templates
+	}
 	next := tcfg.OnUpdate
 	tcfg.OnUpdate = func(u kv.Update) {
 		if !u.Initial {
@@ -182,15 +185,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
-	lookup := func(device string) (string, uint64, string) {
+	lookup := func(device string) subjects.Mapping {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return "", 0, wire.ReasonNoMapping
+			return subjects.Mapping{Reason: wire.ReasonNoMapping}
 		}
-		if e.Invalid {
-			return "", e.Revision, wire.ReasonInvalidGroup
-		}
-		return e.Group, e.Revision, ""
+		return e.Mapping()
 	}
 	var pool engine
 	fenced := lanes.ErrFenced

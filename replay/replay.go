@@ -297,7 +297,7 @@ func checkRecord(rec record, shape string, srcs []source, id string) error {
 // loadTable rebuilds the groups table as of the record's revision, and refuses (or, when
 // allowed, warns about) devices whose value at that revision is gone from the history.
 func (r *Replay) loadTable(ctx context.Context) error {
-	snap, err := kv.AsOf(ctx, r.js, r.cfg.Names.Groups, r.rec.AsOf)
+	snap, err := kv.AsOf(ctx, r.js, r.cfg.Names.Groups, r.rec.AsOf, r.cfg.Layout.Schema())
 	if err != nil {
 		return fmt.Errorf("replay: reading the groups table as of revision %d: %w", r.rec.AsOf, err)
 	}

@@ -171,3 +171,14 @@ func (l *Layout) HeaderName(i int) string { return l.headers[i].name }
 func (l *Layout) AppendHeader(dst []byte, i int, f *Fields, v Values) []byte {
 	return l.appendOps(dst, l.headers[i].ops, f, v)
 }
+
+// IsHeader reports whether key names one of the output headers, in any case: a mapped message's
+// header of that name is replaced by the output header.
+func (l *Layout) IsHeader(key string) bool {
+	for _, h := range l.headers {
+		if len(h.name) == len(key) && strings.EqualFold(h.name, key) {
+			return true
+		}
+	}
+	return false
+}
