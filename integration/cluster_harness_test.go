@@ -29,6 +29,7 @@ import (
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // clusterEnv is kvmapper as docs/cluster.md's recipe runs it: a 3-node JetStream cluster
@@ -170,7 +171,7 @@ func (e *clusterEnv) leases() []string {
 		for p := range partitions {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			m, err := kvcas.Latest(ctx, e.admin, e.names.Control, subjects.LeaseKey(p))
+			m, err := kvcas.Latest(ctx, e.admin, e.names.Control, wire.LeaseKey(p))
 			if err != nil {
 				return fmt.Errorf("reading lease %d: %w", p, err)
 			}
