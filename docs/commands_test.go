@@ -50,13 +50,13 @@ import (
 // running it again until it shows its lines; for any other, by reading the background output
 // until the lines arrive. A `--watch` command runs until it shows its lines, then gets Ctrl-C.
 
-// sessions are the pages whose marked blocks run together against one kvmapper. docs/verify.md
-// and docs/observe.md go on from the README's walkthrough, on its deployment.
+// sessions are the pages whose marked blocks run together against one kvmapper. docs/verify.md,
+// docs/observe.md and docs/replay.md go on from the README's walkthrough, on its deployment.
 var sessions = []struct {
 	name  string
 	pages []string
 }{
-	{"walkthrough", []string{"README.md", "docs/verify.md", "docs/observe.md"}},
+	{"walkthrough", []string{"README.md", "docs/verify.md", "docs/observe.md", "docs/replay.md"}},
 	{"direct", []string{"docs/modes-and-layouts.md"}},
 	{"parking", []string{"docs/parking.md"}},
 }
