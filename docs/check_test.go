@@ -293,3 +293,28 @@ func TestCitedCodePathsExist(t *testing.T) {
 		t.Errorf("found only %d cited paths: is the pattern still right?", cited)
 	}
 }
+
+// TestEveryPageIsLinkedFromTheREADME requires the README to link every page of docs/, so that a
+// newcomer who starts at the README can reach each one.
+func TestEveryPageIsLinkedFromTheREADME(t *testing.T) {
+	readme := readPage(t, filepath.Join(root, "README.md"))
+	targets, _ := links(readme)
+	linked := map[string]bool{}
+	for _, target := range targets {
+		file, _, _ := strings.Cut(target, "#")
+		linked[filepath.Clean(file)] = true
+	}
+	docs, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range docs {
+		rel, err := filepath.Rel(root, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !linked[rel] {
+			t.Errorf("README.md does not link %s: add it to the table under Docs", rel)
+		}
+	}
+}
