@@ -6,21 +6,19 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/election"
+	"github.com/kvmapper/kvmapper/internal/embedded"
 	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/mapper"
@@ -177,20 +175,19 @@ func runAction(c *cli.Context) error {
 	context.AfterFunc(ctx, stop)
 
 	servers := c.String("server")
-	var srv *server.Server
+	var srv *embedded.Server
 	if c.Bool("embedded") {
-		var url string
-		srv, url, err = startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
+		srv, err = embedded.Start(embedded.Config{Listen: c.String("listen"), Dir: c.String("data-dir"), Mappings: scfg.ServerMappings()})
+		if errors.Is(err, embedded.ErrInvalidListen) {
+			return usagef("invalid value %q for flag --listen: %v", c.String("listen"), err)
+		}
 		if err != nil {
 			return err
 		}
-		defer func() {
-			srv.Shutdown()
-			srv.WaitForShutdown()
-		}()
-		servers = url
+		defer srv.Shutdown()
+		servers = srv.URL()
 		scfg.CallerSetsMapping = true
-		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
+		log.Info().Str("url", servers).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
 	s, err := connSettings(c)
@@ -269,14 +266,14 @@ func runAction(c *cli.Context) error {
 // --layout was auto: it gets the mapping now if they are chosen, before setup probes it. Until
 // then, for the few milliseconds since it started listening, a device's message reaches no
 // stream, as during any restart.
-func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *server.Server, log zerolog.Logger) error {
+func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *embedded.Server, log zerolog.Logger) error {
 	if cfg.Mode == wire.ModeDirect {
 		// Direct mode keeps no INCOMING: nothing to choose, and nothing to log.
 		c, err := setup.ChooseLayout(ctx, js, *cfg)
 		cfg.StreamLayout = c.Layout
 		return err
 	}
-	given := mappings(*cfg) != nil
+	given := cfg.ServerMappings() != nil
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	choice, err := setup.ChooseLayout(cctx, js, *cfg)
@@ -285,8 +282,8 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 	}
 	cfg.StreamLayout = choice.Layout
 	if srv != nil && !given && choice.Layout == subjects.PartitionStreams {
-		if err := srv.GlobalAccount().AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
-			return fmt.Errorf("embedded NATS server: mapping %s → %s: %w", cfg.Layout.MappingSource(), cfg.Layout.MappingDest(), err)
+		if err := srv.AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
+			return err
 		}
 	}
 	ev := log.Info().Str("layout", string(choice.Layout)).Str("why", choice.Why)
@@ -295,62 +292,6 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 	}
 	ev.Msg("stream layout")
 	return nil
-}
-
-// mappings returns the account subject mappings cfg needs from the server: the partitioning
-// mapping for the partition streams and for direct mode's default receive mode, none otherwise.
-func mappings(cfg setup.Config) map[string]string {
-	if cfg.Mode == wire.ModeDirect {
-		if cfg.Receive != wire.ReceiveMapping {
-			return nil
-		}
-	} else if cfg.StreamLayout != subjects.PartitionStreams {
-		return nil
-	}
-	return map[string]string{cfg.Layout.MappingSource(): cfg.Layout.MappingDest()}
-}
-
-// startEmbedded starts a NATS server with JetStream listening on listen, its data in dir, whose
-// global account has the subject mappings given (source → destination), as a `mappings` block in
-// a server configuration file would give them.
-func startEmbedded(listen, dir string, mappings map[string]string) (*server.Server, string, error) {
-	host, port, err := net.SplitHostPort(listen)
-	if err != nil {
-		return nil, "", usagef("invalid value %q for flag --listen: want host:port (%v)", listen, err)
-	}
-	p, err := strconv.Atoi(port)
-	if err != nil || p < -1 || p > 65535 {
-		return nil, "", usagef("invalid value %q for flag --listen: bad port", listen)
-	}
-	opts := &server.Options{
-		ServerName: "kvmapper-embedded",
-		Host:       host,
-		Port:       p,
-		JetStream:  true,
-		StoreDir:   dir,
-		NoSigs:     true,
-	}
-	if len(mappings) > 0 {
-		// What the server does with a top-level mappings block: the global account, configured
-		// before the server accepts a connection.
-		gacc := server.NewAccount(server.DEFAULT_GLOBAL_ACCOUNT)
-		for src, dest := range mappings {
-			if err := gacc.AddMapping(src, dest); err != nil {
-				return nil, "", fmt.Errorf("embedded NATS server: mapping %s → %s: %w", src, dest, err)
-			}
-		}
-		opts.Accounts = []*server.Account{gacc}
-	}
-	srv, err := server.NewServer(opts)
-	if err != nil {
-		return nil, "", fmt.Errorf("starting embedded NATS server: %w", err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		srv.Shutdown()
-		return nil, "", fmt.Errorf("embedded NATS server did not listen on %s within 10s (is the port taken? use --listen)", listen)
-	}
-	return srv, srv.ClientURL(), nil
 }
 
 // waitServing waits until r serves all partitions, ctx ends or timeout passes.
