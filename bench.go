@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -46,7 +45,7 @@ func benchCommand() *cli.Command {
 			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
 			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
 			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (the bench's own server gets the mapping; a --server must have it; a list: once each, on a server of its own)"},
-			&cli.StringFlag{Name: "contenders", Usage: "comma-separated throughput contenders: " + strings.Join(contenderKeys(), ",") + " (default: all)"},
+			&cli.StringFlag{Name: "contenders", Usage: "comma-separated throughput contenders: " + strings.Join(bench.ContenderKeys(), ",") + " (default: all)"},
 			&cli.StringFlag{Name: "profile-contender", Value: "kvmapper", Usage: "the throughput contender --cpuprofile, --memprofile and --server-cpuprofile cover"},
 			&cli.IntFlag{Name: "rate", Value: 10_000, Usage: "latency: publish rate, msgs/s"},
 			&cli.DurationFlag{Name: "duration", Value: 10 * time.Second, Usage: "latency: length of each run"},
@@ -64,14 +63,6 @@ func benchCommand() *cli.Command {
 		},
 		Action: benchAction,
 	}
-}
-
-func contenderKeys() []string {
-	var keys []string
-	for _, k := range bench.Keys {
-		keys = append(keys, k.Key)
-	}
-	return keys
 }
 
 // list splits a comma-separated flag value.
@@ -136,13 +127,13 @@ func benchAction(c *cli.Context) error {
 	for _, k := range list(c, "contenders") {
 		name, ok := bench.ContenderName(k)
 		if !ok {
-			return usagef("invalid value %q for flag --contenders: choose among %s", k, strings.Join(contenderKeys(), ", "))
+			return usagef("invalid value %q for flag --contenders: choose among %s", k, strings.Join(bench.ContenderKeys(), ", "))
 		}
 		contenders = append(contenders, name)
 	}
 	profile, ok := bench.ContenderName(c.String("profile-contender"))
 	if !ok {
-		return usagef("invalid value %q for flag --profile-contender: choose among %s", c.String("profile-contender"), strings.Join(contenderKeys(), ", "))
+		return usagef("invalid value %q for flag --profile-contender: choose among %s", c.String("profile-contender"), strings.Join(bench.ContenderKeys(), ", "))
 	}
 	w, err := parseSweep(c)
 	if err != nil {
@@ -222,15 +213,7 @@ func benchAction(c *cli.Context) error {
 		return err
 	})
 	if c.Bool("json") && len(reps) > 0 {
-		enc := json.NewEncoder(c.App.Writer)
-		enc.SetIndent("", "  ")
-		var jerr error
-		if w.Runs() == 1 {
-			jerr = enc.Encode(reps[0])
-		} else {
-			jerr = enc.Encode(reps)
-		}
-		if err == nil {
+		if jerr := bench.WriteJSON(c.App.Writer, reps, w.Runs() > 1); err == nil {
 			err = jerr
 		}
 	} else if w.Runs() > 1 && len(reps) > 0 {

@@ -1,9 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
@@ -71,4 +75,32 @@ func connSettings(c *cli.Context) (natsconn.Settings, error) {
 		return natsconn.Settings{}, usageError{err}
 	}
 	return s, nil
+}
+
+// dial connects to NATS as the connection flags of c say, the connection named name; url, if not
+// empty, replaces the server they name (run --embedded). The caller closes the connection.
+func dial(c *cli.Context, name, url string, log zerolog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+	s, err := connSettings(c)
+	if err != nil {
+		return nil, nil, err
+	}
+	if url != "" {
+		s.URL = url
+	}
+	return natsconn.Dial(s, name, log)
+}
+
+// connect dials for a command that works on a deployment setup made, the connection named
+// "kvmapper <command>", and resolves --layout auto into cm.setup (resolveLayout). The caller
+// closes the connection.
+func (cm *common) connect(ctx context.Context, c *cli.Context) (*nats.Conn, jetstream.JetStream, error) {
+	nc, js, err := dial(c, "kvmapper "+c.Command.Name, "", cm.log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return nc, js, nil
 }

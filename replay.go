@@ -4,14 +4,12 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/replay"
 	"github.com/kvmapper/kvmapper/subjects"
 )
@@ -94,17 +92,13 @@ func replayAction(c *cli.Context) error {
 		to   *time.Time
 	}{{"from-time", &cfg.FromTime}, {"to-time", &cfg.ToTime}} {
 		if v := c.String(t.flag); v != "" {
-			if *t.to, err = parseWhen(v, now); err != nil {
+			if *t.to, err = replay.ParseWhen(v, now); err != nil {
 				return usagef("invalid value %q for flag --%s: %v", v, t.flag, err)
 			}
 		}
 	}
-	if v := c.String("as-of"); v != "now" && v != "" {
-		if rev, err := strconv.ParseUint(v, 10, 64); err == nil {
-			cfg.AsOf.Revision = rev
-		} else if cfg.AsOf.Time, err = parseWhen(v, now); err != nil {
-			return usagef("invalid value %q for flag --as-of: use now, a revision or a time (%v)", v, err)
-		}
+	if cfg.AsOf, err = replay.ParseAsOf(c.String("as-of"), now); err != nil {
+		return usagef("invalid value %q for flag --as-of: %v", c.String("as-of"), err)
 	}
 	if v := c.String("devices"); v != "" {
 		cfg.Devices = strings.Split(v, ",")
@@ -127,18 +121,11 @@ func replayAction(c *cli.Context) error {
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s, err := connSettings(c)
-	if err != nil {
-		return err
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper replay", log)
+	nc, js, err := cm.connect(ctx, c)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	if err := cm.resolveLayout(ctx, js); err != nil {
-		return err
-	}
 	cfg.Names = cm.setup.Names
 	r, err := replay.New(js, cfg)
 	if err != nil {
@@ -157,42 +144,23 @@ func replayAction(c *cli.Context) error {
 }
 
 // replayLayout builds the replay's templates: --in and --partitions as the live mapper's; --out
-// and --dead-letters its own. Without --out, a replay into another stream than OUTGOING
-// publishes under the stream's name in lower case (REPLAY: replay.{group}.{device}.{event}).
+// and --dead-letters its own (replay.Templates).
 func replayLayout(c *cli.Context, names subjects.Names, into string) (*subjects.Layout, error) {
 	live, err := layout(c)
 	if err != nil {
 		return nil, err
 	}
-	out, dead := c.String("out"), c.String("dead-letters")
-	toOutgoing := into == names.Outgoing
-	if !c.IsSet("out") && !toOutgoing {
-		out = strings.ToLower(into) + strings.TrimPrefix(live.Out.String(), live.Out.Prefix())
+	given := ""
+	if c.IsSet("out") {
+		given = c.String("out")
 	}
-	if dead == "" {
-		dead = live.Unmapped.String()
-		if !toOutgoing {
-			o, err := subjects.ParseTemplate(out)
-			if err != nil {
-				return nil, usagef("invalid value %q for flag --out: %v", out, err)
-			}
-			dead = o.Prefix() + "-unmapped" + strings.TrimPrefix(live.Unmapped.String(), live.Unmapped.Prefix())
-		}
+	out, dead, err := replay.Templates(live, names.Outgoing, into, given, c.String("dead-letters"))
+	if err != nil {
+		return nil, usagef("invalid value %q for flag --out: %v", given, err)
 	}
 	lay, err := subjects.NewLayout(c.String("in"), out, dead, c.Int("partitions"))
 	if err != nil {
 		return nil, usageError{err}
 	}
 	return lay, nil
-}
-
-// parseWhen reads an RFC 3339 time, or a duration meaning that long before now.
-func parseWhen(v string, now time.Time) (time.Time, error) {
-	if d, err := time.ParseDuration(v); err == nil {
-		if d < 0 {
-			d = -d
-		}
-		return now.Add(-d), nil
-	}
-	return time.Parse(time.RFC3339Nano, v)
 }

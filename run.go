@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -19,7 +17,6 @@ import (
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/embedded"
-	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
@@ -83,11 +80,7 @@ func setupCommand() *cli.Command {
 			scfg, log := cm.setup, cm.log
 			// Only this command moves leaderships; a replica's own setup leaves them.
 			scfg.BalanceLeaders = !c.Bool("no-balance-leaders")
-			s, err := connSettings(c)
-			if err != nil {
-				return err
-			}
-			nc, js, err := natsconn.Dial(s, "kvmapper setup", log)
+			nc, js, err := dial(c, "kvmapper setup", "", log)
 			if err != nil {
 				return err
 			}
@@ -113,22 +106,6 @@ func setupCommand() *cli.Command {
 			return err
 		},
 	}
-}
-
-func defaultReplicaID() string {
-	host, err := os.Hostname()
-	if err != nil || host == "" {
-		host = "kvmapper"
-	}
-	host = strings.Map(func(r rune) rune {
-		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
-			return r
-		}
-		return '-'
-	}, host)
-	var b [3]byte
-	_, _ = rand.Read(b[:])
-	return host + "-" + hex.EncodeToString(b[:])
 }
 
 func runAction(c *cli.Context) error {
@@ -161,7 +138,7 @@ func runAction(c *cli.Context) error {
 	}
 	id := c.String("replica-id")
 	if id == "" {
-		id = defaultReplicaID()
+		id = mapper.DefaultID()
 	}
 	if err := subjects.ValidToken(id); err != nil {
 		// It names the replica's KV keys and its status subject: one subject token.
@@ -190,14 +167,11 @@ func runAction(c *cli.Context) error {
 		log.Info().Str("url", servers).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
-	s, err := connSettings(c)
-	if err != nil {
-		return err
+	var embeddedURL string
+	if srv != nil {
+		embeddedURL = servers
 	}
-	if c.Bool("embedded") {
-		s.URL = servers // the embedded server's
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper "+id, log)
+	nc, js, err := dial(c, "kvmapper "+id, embeddedURL, log)
 	if err != nil {
 		return err
 	}
@@ -248,9 +222,9 @@ func runAction(c *cli.Context) error {
 			// Once every partition is served: in direct mode a message nobody subscribes to
 			// yet gets "no responders", and the first command a new user tries would fail.
 			go func() {
-				waitServing(ctx, r, lay.Partitions, 15*time.Second)
+				r.WaitServing(ctx, lay.Partitions, 15*time.Second)
 				if ctx.Err() == nil {
-					printNextSteps(c, servers, scfg)
+					fmt.Fprint(c.App.Writer, scfg.NextSteps(servers))
 				}
 			}()
 		}
@@ -292,48 +266,6 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 	}
 	ev.Msg("stream layout")
 	return nil
-}
-
-// waitServing waits until r serves all partitions, ctx ends or timeout passes.
-func waitServing(ctx context.Context, r *mapper.Replica, partitions int, timeout time.Duration) {
-	deadline := time.Now().Add(timeout)
-	for r.Serving() < partitions && time.Now().Before(deadline) {
-		if !sleep(ctx, 20*time.Millisecond) {
-			return
-		}
-	}
-}
-
-func printNextSteps(c *cli.Context, url string, cfg setup.Config) {
-	server := ""
-	if url != "nats://127.0.0.1:4222" {
-		server = " -s " + url
-	}
-	if cfg.Mode == wire.ModeDirect {
-		fmt.Fprintf(c.App.Writer, `
-kvmapper is mapping %[1]s → %[2]s on %[3]s in direct mode: a device's PubAck comes from %[7]s.
-In another terminal try:
-
-  go tool nats%[4]s kv put %[5]s dev-42 group-a
-  go tool nats%[4]s sub '%[6]s'
-  go tool nats%[4]s pub --jetstream incoming.dev-42.temp '{"celsius": 21.5}'
-  go tool nats%[4]s req incoming.dev-42.temp '{"celsius": 22.0}'
-
-(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
-
-`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject(), cfg.Outgoing)
-		return
-	}
-	fmt.Fprintf(c.App.Writer, `
-kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:
-
-  go tool nats%[4]s kv put %[5]s dev-42 group-a
-  go tool nats%[4]s sub '%[6]s'
-  go tool nats%[4]s pub incoming.dev-42.temp '{"celsius": 21.5}'
-
-(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
-
-`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject())
 }
 
 // publishSubject checks that flag name is empty or a subject one can publish to.

@@ -12,7 +12,6 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/audit"
-	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -58,18 +57,11 @@ func verifyAction(c *cli.Context) error {
 
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s, err := connSettings(c)
-	if err != nil {
-		return err
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper verify", log)
+	nc, js, err := cm.connect(ctx, c)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	if err := cm.resolveLayout(ctx, js); err != nil {
-		return err
-	}
 	scfg = cm.setup
 	var lastLog time.Time
 	rep, err := audit.Run(ctx, js, audit.Config{

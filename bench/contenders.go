@@ -414,3 +414,12 @@ func batchWriter(ctx context.Context, js jetstream.JetStream, msgs <-chan *nats.
 		}
 	}
 }
+
+// ContenderKeys are the keys of [Keys], in its order.
+func ContenderKeys() []string {
+	var keys []string
+	for _, k := range Keys {
+		keys = append(keys, k.Key)
+	}
+	return keys
+}

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
@@ -166,4 +167,15 @@ func sweepServer(ctx context.Context, cfg Config, w Sweep, exe string, srv Serve
 		}
 	}
 	return nil
+}
+
+// WriteJSON writes reps as indented JSON: the one report of a single run as an object, or, for
+// a sweep, all of them as an array.
+func WriteJSON(w io.Writer, reps []*Report, sweep bool) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if !sweep && len(reps) == 1 {
+		return enc.Encode(reps[0])
+	}
+	return enc.Encode(reps)
 }
