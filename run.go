@@ -87,23 +87,7 @@ func setupCommand() *cli.Command {
 			defer nc.Close()
 			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 			defer cancel()
-			auto := scfg.StreamLayout == subjects.AutoLayout
-			choice, err := setup.ChooseLayout(ctx, js, scfg)
-			if err != nil {
-				return err
-			}
-			scfg.StreamLayout = choice.Layout
-			if auto && scfg.Mode == wire.ModeStream {
-				fmt.Fprintf(c.App.Writer, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
-			}
-			lines, err := setup.Ensure(ctx, js, scfg)
-			for _, l := range lines {
-				fmt.Fprintln(c.App.Writer, l)
-			}
-			if err == nil && choice.Faster != "" {
-				fmt.Fprintf(c.App.Writer, "\n%s.\n\n%s", choice.Faster, setup.MappingConfig(scfg.Layout))
-			}
-			return err
+			return setup.Apply(ctx, js, scfg, c.App.Writer)
 		},
 	}
 }
