@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -34,19 +35,21 @@ func benchCommand() *cli.Command {
 			"combination and end with a table of kvmapper against each contender in every run.\n\n" +
 			"   Quick look:   kvmapper bench --messages 200000 --table-devices 200000 --duration 5s\n" +
 			"   Issue 10:     kvmapper bench --messages 100000,1000000 --partitions 16,64 --replicas 1,3 --layout single,streams",
-		Flags: []cli.Flag{
+		Flags: slices.Concat(in(catConnection,
 			&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Usage: "NATS server URL to measure against (default: start one as a child process)"},
 			&cli.StringFlag{Name: "data-dir", Usage: "JetStream data of the child server (default: a temporary directory, removed after)"},
-			&cli.StringFlag{Name: "only", Usage: "comma-separated sub-benchmarks to run: " + strings.Join(bench.All, ",") + " (default: all)"},
+		), in(catNames,
+			&cli.StringFlag{Name: "only", Usage: "sub-benchmarks, comma-separated: " + strings.Join(bench.All, ","), DefaultText: "all"},
+			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
+			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
+			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (a list: once each)"},
+			&cli.StringFlag{Name: "contenders", Usage: "contenders, comma-separated: " + strings.Join(bench.ContenderKeys(), ","), DefaultText: "all"},
+			&cli.StringFlag{Name: "profile-contender", Value: "kvmapper", Usage: "the throughput contender --cpuprofile, --memprofile and --server-cpuprofile cover"},
+		), in(catLimits,
 			&cli.StringFlag{Name: "messages", Value: "1000000", Usage: "throughput: messages to map (a comma-separated list runs the throughput bench once for each)"},
 			&cli.IntFlag{Name: "naive-messages", Value: 50_000, Usage: "throughput: messages the naive mapper maps (its rate is steady, and it is slow)"},
 			&cli.IntFlag{Name: "devices", Value: 10_000, Usage: "devices publishing, all mapped"},
 			&cli.IntFlag{Name: "payload", Value: 128, Usage: "message size in bytes"},
-			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
-			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
-			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (the bench's own server gets the mapping; a --server must have it; a list: once each, on a server of its own)"},
-			&cli.StringFlag{Name: "contenders", Usage: "comma-separated throughput contenders: " + strings.Join(bench.ContenderKeys(), ",") + " (default: all)"},
-			&cli.StringFlag{Name: "profile-contender", Value: "kvmapper", Usage: "the throughput contender --cpuprofile, --memprofile and --server-cpuprofile cover"},
 			&cli.IntFlag{Name: "rate", Value: 10_000, Usage: "latency: publish rate, msgs/s"},
 			&cli.DurationFlag{Name: "duration", Value: 10 * time.Second, Usage: "latency: length of each run"},
 			&cli.IntFlag{Name: "changes", Value: 200, Usage: "mapping: group changes to time"},
@@ -54,13 +57,14 @@ func benchCommand() *cli.Command {
 			&cli.IntFlag{Name: "table-devices", Value: 1_000_000, Usage: "table: devices in the groups bucket"},
 			&cli.IntFlag{Name: "failover-rate", Value: 2_000, Usage: "failover: publish rate, msgs/s"},
 			&cli.IntFlag{Name: "failover-replicas", Value: 3, Usage: "failover: replica processes"},
+		), in(catBehaviour,
 			&cli.BoolFlag{Name: "json", Usage: "print the results as JSON"},
 			&cli.StringFlag{Name: "cpuprofile", Usage: "write a CPU profile of the kvmapper throughput phase to this file"},
-			&cli.StringFlag{Name: "memprofile", Usage: "write the allocation profile at the end of the kvmapper throughput phase to this file, and at its start to FILE.base (go tool pprof -base FILE.base FILE)"},
+			&cli.StringFlag{Name: "memprofile", Usage: "write the kvmapper throughput phase's allocations to this file (and FILE.base)"},
 			&cli.StringFlag{Name: "server-cpuprofile", Usage: "write a CPU profile of the child server during the kvmapper throughput phase to this file"},
 			&cli.StringFlag{Name: "log-level", Value: "warn", Usage: "debug, info, warn or error"},
 			&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)"},
-		},
+		)),
 		Action: benchAction,
 	}
 }

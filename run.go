@@ -35,27 +35,30 @@ func runCommand() *cli.Command {
 			"each partition's owner republishes what devices publish as it arrives, with the device's reply\n" +
 			"subject, and on SIGTERM hands each partition to its next owner without losing an acknowledgement.\n\n" +
 			"   First run on a machine with only Go:  go run . run --embedded",
-		Flags: flags(connFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen", EnvVars: env("EMBEDDED")},
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server", EnvVars: env("LISTEN")},
-			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server", EnvVars: env("DATA_DIR")},
-			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
-			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together; each partition is guaranteed a quarter of its even share", EnvVars: env("MAX_IN_FLIGHT")},
-			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT_BYTES")},
-			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds: a replica killed outright has its partitions moved after about this (default: 2s for a control bucket on one server, 15s for a replicated one, which rides through a NATS server's death)", EnvVars: env("LEASE_TTL")},
-			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
-			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
-			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
-			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
-			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes", EnvVars: env("DRAIN_TIMEOUT")},
-			&cli.DurationFlag{Name: "handoff-timeout", Value: 5 * time.Second, Usage: "direct mode: how long a released partition keeps forwarding while no new owner has announced itself", EnvVars: env("HANDOFF_TIMEOUT")},
-			&cli.BoolFlag{Name: "direct-provenance", Usage: "direct mode: add the KVMapper-Partition, -Epoch and -Revision headers (off: they cost about a third of the throughput and can make OUTGOING refuse a message near its size limit)", EnvVars: env("DIRECT_PROVENANCE")},
-			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
-			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
-			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
+		Flags: flags(connFlags(), in(catConnection,
+			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen"},
+			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server"},
+			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server"},
+		), layoutFlags(), in(catNames,
+			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name (default: host name and a random suffix)"},
 			groupsHistoryFlag(),
-			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)", EnvVars: env("PARK_MAX_AGE")},
-		}, parkFlags(), layoutFlags(), logFlags()),
+		), parkFlags(), in(catBehaviour,
+			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds", DefaultText: "2s, 15s on a replicated control bucket"},
+			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)"},
+			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long"},
+			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written"},
+			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent"},
+			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes"},
+			&cli.DurationFlag{Name: "handoff-timeout", Value: 5 * time.Second, Usage: "direct mode: how long a released partition forwards with no new owner"},
+			&cli.BoolFlag{Name: "direct-provenance", Usage: "direct mode: add the KVMapper-Partition, -Epoch and -Revision headers"},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers"},
+			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port of Prometheus /metrics, /healthz and /readyz (default: off)"},
+			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "subject of this replica's ownership changes, as JSON (empty: none)"},
+		), in(catLimits,
+			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together"},
+			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together"},
+			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)"},
+		), logFlags()),
 		Action: runAction,
 	}
 }
@@ -69,9 +72,9 @@ func setupCommand() *cli.Command {
 			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
 			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
 			"where every other command reads it.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag(),
-			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them, instead of spreading them over the servers (--layout streams on a cluster)", EnvVars: env("NO_BALANCE_LEADERS")},
-		}, parkFlags()),
+		Flags: flags(connFlags(), layoutFlags(), in(catNames, groupsHistoryFlag()), parkFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them"},
+		), logFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {

@@ -27,13 +27,13 @@ func statusCommand() *cli.Command {
 			"OUTGOING and UNMAPPED instead, and each partition's lag as its owner reports it.\n\n" +
 			"   kvmapper status --watch     refresh every --interval\n" +
 			"   kvmapper status --json      one JSON document (with --watch: one per line)",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of tables", EnvVars: env("JSON")},
-			&cli.BoolFlag{Name: "watch", Aliases: []string{"w"}, Usage: "refresh in place every --interval until interrupted", EnvVars: env("WATCH")},
-			&cli.DurationFlag{Name: "interval", Value: 2 * time.Second, Usage: "refresh interval of --watch", EnvVars: env("INTERVAL")},
-			&cli.DurationFlag{Name: "rate-window", Value: time.Second, Usage: "without --watch: time between the two samples the rate is taken from (0: no rate)", EnvVars: env("RATE_WINDOW")},
-			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report and each stream's info", EnvVars: env("TIMEOUT")},
-		}),
+		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of tables"},
+			&cli.BoolFlag{Name: "watch", Aliases: []string{"w"}, Usage: "refresh in place every --interval until interrupted"},
+			&cli.DurationFlag{Name: "interval", Value: 2 * time.Second, Usage: "refresh interval of --watch"},
+			&cli.DurationFlag{Name: "rate-window", Value: time.Second, Usage: "without --watch: time between the two samples the rate is taken from (0: no rate)"},
+			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report and each stream's info"},
+		), logFlags()),
 		Action: statusAction,
 	}
 }

@@ -29,10 +29,10 @@ func unparkCommand() *cli.Command {
 			"device's next message is parked again: give it a group to stop parking it.\n\n" +
 			"   kvmapper unpark dev-42            release dev-42's parked messages now\n" +
 			"   kvmapper unpark --drop dev-42     dead-letter them",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them", EnvVars: env("DROP")},
-			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)", EnvVars: env("WAIT")},
-		}),
+		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them"},
+			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)"},
+		), logFlags()),
 		Action: unparkAction,
 	}
 }

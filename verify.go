@@ -28,11 +28,11 @@ func verifyCommand() *cli.Command {
 			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING to audit\n" +
 			"against: verify refuses and says what to check instead.\n\n" +
 			"   Against a mapper still catching up:  kvmapper verify --wait 30s",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON", EnvVars: env("JSON")},
-			&cli.DurationFlag{Name: "wait", Usage: "when messages are missing, keep reading the outputs this long for them to arrive", EnvVars: env("WAIT")},
-			&cli.IntFlag{Name: "max-findings", Value: 20, Usage: "examples shown per kind of problem", EnvVars: env("MAX_FINDINGS")},
-		}),
+		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON"},
+			&cli.DurationFlag{Name: "wait", Usage: "when messages are missing, keep reading the outputs this long for them to arrive"},
+			&cli.IntFlag{Name: "max-findings", Value: 20, Usage: "examples shown per kind of problem"},
+		), logFlags()),
 		Action: verifyAction,
 	}
 }
