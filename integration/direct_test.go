@@ -20,9 +20,9 @@ import (
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-// TestDirectQuickStartEmbedded runs the README's direct-mode quick start: `kvmapper run
-// --embedded --mode direct`, then the nats CLI commands it prints, with their outputs as the
-// README shows them.
+// TestDirectQuickStartEmbedded runs the direct-mode quick start of docs/modes-and-layouts.md:
+// `kvmapper run --embedded --mode direct`, then the nats CLI commands it prints, with their
+// outputs as the page shows them.
 func TestDirectQuickStartEmbedded(t *testing.T) {
 	dir := t.TempDir()
 	port := freePort(t)

@@ -45,8 +45,8 @@ type LayoutChoice struct {
 // A layout asked for (not [subjects.AutoLayout]) is returned as it is unless the control
 // bucket records another one whose INCOMING streams still exist: that is an error wrapping
 // [ErrLayoutConflict]. When the recorded layout's streams are gone (the deployment is moving,
-// README "Moving a deployment from single to streams") the layout asked for wins and Ensure
-// records it in place of the old one.
+// docs/modes-and-layouts.md "Moving a deployment from single to streams") the layout asked for
+// wins and Ensure records it in place of the old one.
 //
 // [subjects.AutoLayout] becomes, in this order: the layout the control bucket records
 // ([wire.LayoutKey]); the layout whose INCOMING streams exist (a deployment made before
@@ -136,14 +136,14 @@ func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, creat
 	return LayoutChoice{
 		Layout: subjects.SingleStream,
 		Why:    fmt.Sprintf("a new deployment on a server without the account mapping of %s into partitions", lay.MappingSource()),
-		Faster: fmt.Sprintf("--layout streams would map 1.4–1.8× as fast (README: Stream layouts): give every server the account mapping %q → %q, then move the deployment to it (README: Moving a deployment from single to streams)",
+		Faster: fmt.Sprintf("--layout streams would map 1.4–1.8× as fast (docs/modes-and-layouts.md: Stream layouts): give every server the account mapping %q → %q, then move the deployment to it (docs/modes-and-layouts.md: Moving a deployment from single to streams)",
 			lay.MappingSource(), lay.MappingDest()),
 	}, nil
 }
 
 // conflict is the error for a layout asked for that the control bucket contradicts.
 func conflict(cfg Config, asked, recorded subjects.StreamLayout) error {
-	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see the README (Moving a deployment from single to streams)",
+	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see docs/modes-and-layouts.md (Moving a deployment from single to streams)",
 		ErrLayoutConflict, asked, cfg.Control, recorded, wire.LayoutKey, recorded, asked)
 }
 
@@ -302,7 +302,7 @@ func mappingActive(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) (bo
 		// another partition count: a mapping, which Ensure then checks partition by partition.
 		return msg.Subject != subject, nil
 	case <-t.C:
-		return false, fmt.Errorf("setup: choosing the stream layout: a probe published to %s came back neither as it was nor as %s within %v: the user may lack permission to subscribe to them (README: Least privilege), or the account maps %s elsewhere; choose with --layout single or --layout streams",
+		return false, fmt.Errorf("setup: choosing the stream layout: a probe published to %s came back neither as it was nor as %s within %v: the user may lack permission to subscribe to them (docs/security.md: Least privilege), or the account maps %s elsewhere; choose with --layout single or --layout streams",
 			subject, mapped, probeTimeout, lay.MappingSource())
 	case <-ctx.Done():
 		return false, fmt.Errorf("setup: probing the account mapping on %s: %w", subject, ctx.Err())

@@ -68,7 +68,7 @@ func TestAutoLayoutOfANewDeployment(t *testing.T) {
 	}{
 		"mapping active": {mapping: true, want: subjects.PartitionStreams, has: "INCOMING-0", hasNot: "INCOMING", why: "account mapping partitions incoming.*.*"},
 		"no mapping": {want: subjects.SingleStream, has: "INCOMING", hasNot: "INCOMING-0", why: "without the account mapping",
-			faster: `1.4–1.8× as fast (README: Stream layouts): give every server the account mapping "incoming.*.*" → "incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"`},
+			faster: `1.4–1.8× as fast (docs/modes-and-layouts.md: Stream layouts): give every server the account mapping "incoming.*.*" → "incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := autoConfig(t)

@@ -377,7 +377,7 @@ func placementError(what string, replicas int, err error) error {
 	}
 	switch apiErr.ErrorCode {
 	case errCodeReplicasNotSupported:
-		return fmt.Errorf("%w: creating %s with %d replicas: the server is not in a JetStream cluster (%s): run setup with --stream-replicas 1, or start a cluster of at least %d servers (README: Production on a cluster)",
+		return fmt.Errorf("%w: creating %s with %d replicas: the server is not in a JetStream cluster (%s): run setup with --stream-replicas 1, or start a cluster of at least %d servers (docs/cluster.md: Production on a cluster)",
 			ErrInvalidConfig, what, replicas, apiErr.Description, replicas)
 	case errCodeNoPeers, errCodeInsufficientResources:
 		return fmt.Errorf("%w: creating %s with %d replicas: the cluster cannot place them (%s): it needs %d servers with JetStream, up and with room (`nats server report jetstream` lists them), or a lower --stream-replicas",
