@@ -39,7 +39,7 @@ func benchCommand() *cli.Command {
 			&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Usage: "NATS server URL to measure against (default: start one as a child process)"},
 			&cli.StringFlag{Name: "data-dir", Usage: "JetStream data of the child server (default: a temporary directory, removed after)"},
 		), in(catNames,
-			&cli.StringFlag{Name: "only", Usage: "sub-benchmarks, comma-separated: " + strings.Join(bench.All, ","), DefaultText: "all"},
+			&cli.StringFlag{Name: "only", Usage: "sub-benchmarks, comma-separated: " + strings.ReplaceAll(strings.Trim(fmt.Sprint(bench.All), "[]"), " ", ","), DefaultText: "all"},
 			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
 			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
 			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (a list: once each)"},
@@ -126,16 +126,19 @@ func benchAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	only := list(c, "only")
-	var contenders []string
+	var only []bench.Kind
+	for _, k := range list(c, "only") {
+		only = append(only, bench.Kind(k)) // bench.Run refuses an unknown one
+	}
+	var contenders []bench.ContenderName
 	for _, k := range list(c, "contenders") {
-		name, ok := bench.ContenderName(k)
+		name, ok := bench.ContenderByKey(k)
 		if !ok {
 			return usagef("invalid value %q for flag --contenders: choose among %s", k, strings.Join(bench.ContenderKeys(), ", "))
 		}
 		contenders = append(contenders, name)
 	}
-	profile, ok := bench.ContenderName(c.String("profile-contender"))
+	profile, ok := bench.ContenderByKey(c.String("profile-contender"))
 	if !ok {
 		return usagef("invalid value %q for flag --profile-contender: choose among %s", c.String("profile-contender"), strings.Join(bench.ContenderKeys(), ", "))
 	}
@@ -153,7 +156,7 @@ func benchAction(c *cli.Context) error {
 		case c.String("server") != "" && (len(w.Partitions) > 1 || len(w.Layouts) > 1):
 			return usagef("lists in --partitions or --layout need the bench's own server (the streams layout's mapping names the partitions): drop --server")
 		}
-		only = []string{bench.Throughput}
+		only = []bench.Kind{bench.Throughput}
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -78,16 +78,10 @@ func groupsHistoryFlag() cli.Flag {
 		DefaultText: strconv.Itoa(setup.DefaultGroupsHistory)}
 }
 
-// On-unmapped modes: what `run` does with a message of a device that has no group.
-const (
-	onUnmappedDeadLetter = "dead-letter"
-	onUnmappedPark       = "park"
-)
-
 // parkFlags are the parking flags of the commands that run setup; run adds --park-max-age.
 func parkFlags() []cli.Flag {
 	return append(in(catBehaviour,
-		&cli.StringFlag{Name: "on-unmapped", Value: onUnmappedDeadLetter, Usage: "a message of a device without a group is: dead-letter (to UNMAPPED) or park (in PARKED)"},
+		&cli.StringFlag{Name: "on-unmapped", Value: string(setup.OnUnmappedDeadLetter), Usage: "a message of a device without a group is: dead-letter (to UNMAPPED) or park (in PARKED)"},
 	), in(catLimits,
 		&cli.Int64Flag{Name: "park-max-per-device", Value: setup.DefaultParkMaxPerDevice, Usage: "messages one device may have parked; past it: park-full"},
 		&cli.Int64Flag{Name: "park-max-total", Value: setup.DefaultParkMaxTotal, Usage: "messages parked in all; past it: park-full"},
@@ -195,9 +189,11 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		}
 	}
 	// Only setup and run have the parking flags; elsewhere on-unmapped reads "".
-	switch mode := c.String("on-unmapped"); mode {
-	case "", onUnmappedDeadLetter:
-	case onUnmappedPark:
+	onUnmapped, err := setup.ParseOnUnmapped(c.String("on-unmapped"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", c.String("on-unmapped"), setup.OnUnmappedDeadLetter, setup.OnUnmappedPark)
+	}
+	if onUnmapped == setup.OnUnmappedPark {
 		if cfg.Mode == wire.ModeDirect {
 			return setup.Config{}, usagef("--on-unmapped park needs --mode stream: in direct mode no stream holds a device's messages, so nothing can keep the parked ones in order")
 		}
@@ -208,10 +204,8 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		if total < per {
 			return setup.Config{}, usagef("invalid value %d for flag --park-max-total: at least --park-max-per-device (%d)", total, per)
 		}
-		cfg.Park = &setup.ParkConfig{MaxPerDevice: per, MaxTotal: total,
+		cfg.Park = &setup.ParkedStream{MaxPerDevice: per, MaxTotal: total,
 			CheckLimits: c.IsSet("park-max-per-device") || c.IsSet("park-max-total")}
-	default:
-		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", mode, onUnmappedDeadLetter, onUnmappedPark)
 	}
 	cfg.Defaults()
 	return cfg, nil

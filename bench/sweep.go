@@ -20,7 +20,7 @@ import (
 func WriteSweep(w io.Writer, reps []*Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	p := func(format string, a ...any) { fmt.Fprintf(tw, format+"\n", a...) }
-	var others []string
+	var others []ContenderName
 	for _, k := range Keys {
 		for _, r := range reps {
 			if t := r.Throughput; t != nil && k.Name != KVMapper && slices.ContainsFunc(t.Contenders, func(c Contender) bool { return c.Name == k.Name }) {
@@ -32,7 +32,7 @@ func WriteSweep(w io.Writer, reps []*Report) error {
 	p("SWEEP: kvmapper's rate, and kvmapper × each contender in the same run")
 	head := "layout\tpartitions\treplicas\tmessages\tkvmapper msgs/s"
 	for _, o := range others {
-		head += "\t× " + o
+		head += "\t× " + string(o)
 	}
 	p("%s", head)
 	type key struct {

@@ -139,7 +139,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: Setup.StreamLayout is auto: resolve it with setup.ChooseLayout first", ErrInvalidConfig)
 	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
-		cfg.Setup.Park = &setup.ParkConfig{}
+		cfg.Setup.Park = &setup.ParkedStream{}
 	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)

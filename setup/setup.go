@@ -59,7 +59,7 @@ type Config struct {
 	GroupsHistory int
 	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
 	// leaves it alone.
-	Park *ParkConfig
+	Park *ParkedStream
 	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
 	// partition streams' leaderships until every server leads P/N of them, give or take one,
 	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
