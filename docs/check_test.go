@@ -268,3 +268,53 @@ func hasPrefix(set map[string]bool, prefix string) bool {
 	}
 	return false
 }
+
+// codePathRE finds the repository paths the docs cite in code spans: a Go file under a folder
+// (`lanes/leaseclock.go`), or a package under internal/.
+var codePathRE = regexp.MustCompile("`((?:[a-z0-9_]+/)+[a-z0-9_]+\\.go|internal/[a-z0-9_/]+)`")
+
+// TestCitedCodePathsExist checks that every file and internal package the docs cite by path
+// exists, so that a move of the code cannot leave the docs pointing at nothing.
+func TestCitedCodePathsExist(t *testing.T) {
+	cited := 0
+	for _, path := range pages(t) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range codePathRE.FindAllStringSubmatch(string(b), -1) {
+			cited++
+			if _, err := os.Stat(filepath.Join(root, m[1])); err != nil {
+				t.Errorf("%s cites %s: %v", path, m[1], err)
+			}
+		}
+	}
+	if cited < 10 {
+		t.Errorf("found only %d cited paths: is the pattern still right?", cited)
+	}
+}
+
+// TestEveryPageIsLinkedFromTheREADME requires the README to link every page of docs/, so that a
+// newcomer who starts at the README can reach each one.
+func TestEveryPageIsLinkedFromTheREADME(t *testing.T) {
+	readme := readPage(t, filepath.Join(root, "README.md"))
+	targets, _ := links(readme)
+	linked := map[string]bool{}
+	for _, target := range targets {
+		file, _, _ := strings.Cut(target, "#")
+		linked[filepath.Clean(file)] = true
+	}
+	docs, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range docs {
+		rel, err := filepath.Rel(root, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !linked[rel] {
+			t.Errorf("README.md does not link %s: add it to the table under Docs", rel)
+		}
+	}
+}

@@ -35,7 +35,7 @@ import (
 // one thing a session changes: kvmapper run --embedded listens on 127.0.0.1:4222 as the pages
 // say, which would collide with another session, another package's test or a kvmapper the user
 // runs. So every session sets KVMAPPER_LISTEN=127.0.0.1:-1 (the --listen flag's environment
-// variable; -1 is a free port the server picks), reads the URL the replica logs, and sets
+// variable; -1 is a free port the server picks), reads the URL the replica prints, and sets
 // NATS_URL, which both the nats CLI and kvmapper's --server read, for the commands after it.
 // KVMAPPER_DATA_DIR puts its data in a temporary directory and KVMAPPER_REPLICA_ID names the
 // replica; NATS_* and KVMAPPER_* variables of the caller's environment are dropped.
@@ -50,13 +50,13 @@ import (
 // running it again until it shows its lines; for any other, by reading the background output
 // until the lines arrive. A `--watch` command runs until it shows its lines, then gets Ctrl-C.
 
-// sessions are the pages whose marked blocks run together against one kvmapper. docs/verify.md
-// and docs/observe.md go on from the README's walkthrough, on its deployment.
+// sessions are the pages whose marked blocks run together against one kvmapper. docs/verify.md,
+// docs/observe.md and docs/replay.md go on from the README's walkthrough, on its deployment.
 var sessions = []struct {
 	name  string
 	pages []string
 }{
-	{"walkthrough", []string{"README.md", "docs/verify.md", "docs/observe.md"}},
+	{"walkthrough", []string{"README.md", "docs/verify.md", "docs/observe.md", "docs/replay.md"}},
 	{"direct", []string{"docs/modes-and-layouts.md"}},
 	{"parking", []string{"docs/parking.md"}},
 }
@@ -264,7 +264,7 @@ var (
 	runRE      = regexp.MustCompile(`^(go run \.|kvmapper) run( |$)`)
 	kvPutRE    = regexp.MustCompile(`^(go tool )?nats kv put (\S+) (\S+) `)
 	readOnlyRE = regexp.MustCompile(`^((go tool )?nats (stream (get|info|ls)|kv (get|ls)|micro|req kvmapper\.status\.)|(go run \.|kvmapper) (verify|status|setup))( |$)`)
-	urlRE      = regexp.MustCompile(`"url":"(nats://[^"]+)"`)
+	urlRE      = regexp.MustCompile(`(nats://127\.0\.0\.1:[0-9]+)`)
 )
 
 // shellText is c as bash runs it: the kvmapper binary for `go run .` and `kvmapper`, the pinned
@@ -301,7 +301,7 @@ func (sh *shell) do(c command) {
 }
 
 // startReplica starts `kvmapper run --embedded`, waits for the next steps it prints and takes
-// the server's URL from its log.
+// the server's URL from its output (its log, and the next steps, name it).
 func (sh *shell) startReplica(c command) {
 	t := sh.t
 	t.Helper()
@@ -315,7 +315,7 @@ func (sh *shell) startReplica(c command) {
 	sh.waitOutput(c, sh.replica, 60*time.Second, func(out string) bool { return strings.Contains(out, "In another terminal try:") })
 	m := urlRE.FindStringSubmatch(sh.replica.out.String())
 	if m == nil {
-		t.Fatalf("%s: %s: no URL of the embedded server in its log:\n%s", c.where, c.text, sh.replica.out)
+		t.Fatalf("%s: %s: no URL of the embedded server in its output:\n%s", c.where, c.text, sh.replica.out)
 	}
 	sh.url = m[1]
 	sh.env = append(sh.env, "NATS_URL="+sh.url)

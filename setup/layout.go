@@ -143,7 +143,7 @@ func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, creat
 
 // conflict is the error for a layout asked for that the control bucket contradicts.
 func conflict(cfg Config, asked, recorded subjects.StreamLayout) error {
-	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see the README (Moving a deployment from single to streams)",
+	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see docs/modes-and-layouts.md (Moving a deployment from single to streams)",
 		ErrLayoutConflict, asked, cfg.Control, recorded, wire.LayoutKey, recorded, asked)
 }
 
