@@ -258,6 +258,9 @@ func (r *Replay) spec(srcs []source) (shape, full string) {
 		fmt.Fprintf(&b, " devices=%s", strings.Join(c.Devices, ","))
 	}
 	fmt.Fprintf(&b, " into=%s out=%s dead=%s provenance=%t missing-history=%t", c.Into, c.Layout.Out, c.Layout.Unmapped, !c.NoProvenance, c.AllowMissingHistory)
+	if hs := c.Layout.Headers(); len(hs) > 0 {
+		fmt.Fprintf(&b, " headers=%q", hs) // only then: the replays of a layout without headers keep their ids
+	}
 	shape = b.String()
 	point := func(seq uint64, t time.Time, none string) string {
 		switch {
