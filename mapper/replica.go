@@ -500,7 +500,7 @@ func (r *Replica) report() status.Report {
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
 			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
-		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
+		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision(), Invalid: r.table.Invalid()},
 	}
 	for _, p := range parts {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{

@@ -443,3 +443,36 @@ func skipValue(b []byte, i int) int {
 	}
 	return i
 }
+
+// Describe says, in one line for people, what a device's value must hold for these templates:
+// which fields, each one where it is used.
+func (s *Schema) Describe() string {
+	if len(s.fields) == 0 {
+		return "the templates use no field of the value: any value maps its device (one starting with '{' must be valid JSON)"
+	}
+	if len(s.fields) == 1 && s.group == 0 {
+		return `a group (one subject token), or a JSON object whose "group" is one`
+	}
+	parts := make([]string, len(s.fields))
+	for i, f := range s.fields {
+		kind := "a header value"
+		if f.Subject {
+			kind = "a subject token"
+		}
+		parts[i] = fmt.Sprintf("%q (%s: %s)", f.Name, kind, f.where())
+	}
+	return "a JSON object with " + strings.Join(parts, ", ") + "; other fields are ignored"
+}
+
+// Example returns a value these templates can use, for people to start from: "group-a" when
+// the templates use {group} alone, else a JSON object with a made-up value for every field.
+func (s *Schema) Example() string {
+	if len(s.fields) == 1 && s.group == 0 {
+		return "group-a"
+	}
+	parts := make([]string, len(s.fields))
+	for i, f := range s.fields {
+		parts[i] = fmt.Sprintf("%q:%q", f.Name, strings.ReplaceAll(f.Name, "_", "-")+"-a")
+	}
+	return "{" + strings.Join(parts, ",") + "}"
+}

@@ -327,3 +327,23 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+func TestDescribe(t *testing.T) {
+	def := defaultLayout(t).Schema()
+	if got := def.Example(); got != "group-a" {
+		t.Errorf("default Example() = %q, want group-a", got)
+	}
+	if got := def.Describe(); !strings.Contains(got, "a group (one subject token)") {
+		t.Errorf("default Describe() = %q", got)
+	}
+	meta := metaLayout(t).Schema()
+	ex := meta.Example()
+	if _, err := meta.Decode([]byte(ex)); err != nil {
+		t.Errorf("Example() = %s, which Decode refuses: %v", ex, err)
+	}
+	want := `a JSON object with "region" (a subject token: the out template and header Site), "tenant" (a subject token: the out template and header Tenant), ` +
+		`"group" (a subject token: the out template), "site" (a header value: header Site), "tier" (a header value: header Tier); other fields are ignored`
+	if got := meta.Describe(); got != want {
+		t.Errorf("Describe() = %q\nwant %q", got, want)
+	}
+}
