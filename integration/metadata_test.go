@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
@@ -86,6 +87,11 @@ func checkVersions(t *testing.T, msgs []jetstream.Msg, revs map[string][]uint64)
 		if got != want {
 			t.Fatalf("message %d of %s: %s, want %s: fields of two values mixed, or the wrong revision", n, dev, got, want)
 		}
+		for name := range h {
+			if strings.EqualFold(name, "Tenant") && name != "Tenant" {
+				t.Fatalf("message %d of %s carries the device's own %s header %q besides the output header", n, dev, name, h[name])
+			}
+		}
 		if k < cur[dev] {
 			t.Fatalf("message %d of %s mapped with version %d after one mapped with version %d: not one switch point", n, dev, k, cur[dev])
 		}
@@ -121,7 +127,10 @@ func startPublisher(js jetstream.JetStream, devs []string) *publisher {
 				p.mu.Lock()
 				for range 10 {
 					for _, d := range devs {
-						f, err := js.PublishAsync("incoming."+d+".evt", []byte(d+":"+strconv.Itoa(p.sent[d])))
+						// A device's own header of an output header's name never reaches OUTGOING.
+						m := &nats.Msg{Subject: "incoming." + d + ".evt", Data: []byte(d + ":" + strconv.Itoa(p.sent[d])),
+							Header: nats.Header{"tenant": []string{"spoofed"}, "X-Device": []string{"kept"}}}
+						f, err := js.PublishMsgAsync(m)
 						if err != nil {
 							p.mu.Unlock()
 							return err
@@ -386,4 +395,66 @@ func TestMetadataBadValues(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestMetadataDirectMode: direct mode renders the same templates. Devices publish for their
+// PubAck from OUTGOING while their values change, every field at once; every message is checked
+// as in stream mode. A device whose value the templates cannot use gets its PubAck from UNMAPPED,
+// with the reason and the field.
+func TestMetadataDirectMode(t *testing.T) {
+	e := newDirectEnv(t, wire.ReceiveMapping)
+	devs := deviceNames("dev-", 6)
+	revs := map[string][]uint64{}
+	for _, d := range devs {
+		revs[d] = []uint64{e.putRev(d, metaValue(0))}
+	}
+	e.startDirect("a", wire.ReceiveMapping, append([]string{"--direct-provenance"}, metaFlags...)...) // KVMapper-Revision
+	e.waitServed("a")
+	d := e.startDevices(devs, false)
+	const versions = 3
+	for k := 1; k < versions; k++ {
+		d.waitAcked(100)
+		for i, dev := range devs {
+			if i == 0 {
+				revs[dev] = append(revs[dev], e.kvPut(dev, metaValue(k)))
+			} else {
+				revs[dev] = append(revs[dev], e.putRev(dev, metaValue(k)))
+			}
+		}
+	}
+	d.waitAcked(100)
+	sent, _ := d.halt()
+	total := 0
+	for _, n := range sent {
+		total += n
+	}
+	msgs := e.readStream("OUTGOING", total, 30*time.Second)
+	if len(msgs) != total {
+		t.Fatalf("OUTGOING holds %d messages, want the %d acknowledged", len(msgs), total)
+	}
+	per := checkVersions(t, msgs, revs)
+	for _, dev := range devs {
+		if c := per[dev]; len(c) != versions || c[0] == 0 || c[versions-1] == 0 {
+			t.Errorf("%s: messages per version %v, want some under the first and the last of %d", dev, c, versions)
+		}
+	}
+
+	e.putRev("dev-bad", `{"group":"g7","region":"eu","tenant":"t"}`)
+	natstest.Eventually(t, 30*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		ack, err := e.js.Publish(ctx, "incoming.dev-bad.evt", []byte("dev-bad:0"), jetstream.WithMsgID("dev-bad:0"))
+		if err != nil {
+			return err
+		}
+		if ack.Stream != "UNMAPPED" {
+			return fmt.Errorf("dev-bad's message acknowledged by %s, want UNMAPPED (the replica may not have its value yet)", ack.Stream)
+		}
+		return nil
+	})
+	m := e.readStream("UNMAPPED", 1, 30*time.Second)[0]
+	if h := m.Headers(); h.Get(wire.HeaderReason) != wire.ReasonMissingField || h.Get(wire.HeaderField) != "site" || h.Get(wire.HeaderError) == "" {
+		t.Errorf("dead letter of dev-bad: reason %q, field %q, error %q; want %s, site, a why",
+			h.Get(wire.HeaderReason), h.Get(wire.HeaderField), h.Get(wire.HeaderError), wire.ReasonMissingField)
+	}
 }
