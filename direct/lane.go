@@ -298,7 +298,7 @@ func (l *lane) handle(m *nats.Msg) {
 		l.p.warn("malformed subject", func(e *zerolog.Event) {
 			e.Str("subject", m.Subject).Err(err).Msg("malformed subject: message goes to UNMAPPED")
 		})
-		l.forward(m, lay.MalformedSubject(), subjects.Mapping{Reason: wire.ReasonMalformedSubject})
+		l.forward(m, lay.MalformedSubject(), subjects.Unmappable(wire.ReasonMalformedSubject, "", "", 0))
 		return
 	}
 	dev := l.fields.Device()
@@ -306,7 +306,7 @@ func (l *lane) handle(m *nats.Msg) {
 		return // kvmapper setup checking where device subjects arrive
 	}
 	mp := l.p.lookup(dev)
-	if mp.Reason != "" {
+	if !mp.Mapped() {
 		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
 		l.forward(m, string(l.buf), mp)
 		return
@@ -319,7 +319,7 @@ func (l *lane) handle(m *nats.Msg) {
 // headers of a mapped message (replacing the device's own of the same names), the reason of a
 // dead letter, and the provenance headers.
 func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
-	rev, reason := mp.Revision, mp.Reason
+	rev, reason := mp.Revision, mp.Reason()
 	h := m.Header
 	lay := l.p.cfg.Layout
 	if h == nil && (reason != "" || l.p.cfg.Provenance || lay.NumHeaders() > 0) {
@@ -335,11 +335,11 @@ func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
 	if reason != "" {
 		h[wire.HeaderReason] = []string{reason}
 		h[wire.HeaderSubject] = []string{m.Subject}
-		if mp.Detail != "" {
-			h[wire.HeaderError] = []string{mp.Detail}
+		if d := mp.Detail(); d != "" {
+			h[wire.HeaderError] = []string{d}
 		}
-		if mp.Field != "" {
-			h[wire.HeaderField] = []string{mp.Field}
+		if f := mp.Field(); f != "" {
+			h[wire.HeaderField] = []string{f}
 		}
 	} else {
 		for i := range lay.NumHeaders() {

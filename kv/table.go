@@ -149,6 +149,7 @@ type Table struct {
 	seed   maphash.Seed
 	shards [numShards]shard
 	schema *subjects.Schema
+	group  int // schema.Group()
 	// records holds each record in its packed form (see record). The writer appends in place
 	// (or into a fresh array) before publishing the longer header, so a reader never indexes
 	// past the header it loaded; it writes an index again only once no slot refers to it, and
@@ -224,6 +225,7 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 		t.shards[i].short = make(map[shortKey]slot)
 		t.shards[i].long = make(map[string]slot)
 	}
+	t.group = t.schema.Group()
 	var records []string
 	t.records.Store(&records)
 	return t
@@ -259,10 +261,31 @@ func (t *Table) entry(rec string, invalid bool, rev uint64) Entry {
 		return invalidEntry(rec, rev)
 	}
 	e := Entry{Values: subjects.ValuesOf(rec), Revision: rev}
-	if g := t.schema.Group(); g >= 0 {
-		e.Group = e.Values.Get(g)
+	if t.group >= 0 {
+		e.Group = e.Values.Get(t.group)
 	}
 	return e
+}
+
+// Mapping is [Table.Lookup] as the lanes and direct mode take it, without the entry's group: the
+// device's values and revision, or the reason, field and detail of its unusable value, or
+// [wire.ReasonNoMapping] when the device has no key. Safe for concurrent use; zero allocations.
+func (t *Table) Mapping(device string) subjects.Mapping {
+	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
+	s.mu.RLock()
+	v, ok := s.get(device)
+	var rec string
+	if ok {
+		rec = (*t.records.Load())[v.rec&^invalidRec] // under the lock, as in Lookup
+	}
+	s.mu.RUnlock()
+	switch {
+	case !ok:
+		return noMapping
+	case v.rec&invalidRec != 0:
+		return subjects.Faulted(rec[1:], v.rev)
+	}
+	return subjects.Mapping{Values: subjects.ValuesOf(rec), Revision: v.rev}
 }
 
 // An invalid record is "\xff" + reason + "\x00" + field + "\x00" + detail: its first byte
@@ -270,10 +293,7 @@ func (t *Table) entry(rec string, invalid bool, rev uint64) Entry {
 const invalidMark = 0xff
 
 func appendInvalid(dst []byte, reason, field, detail string) []byte {
-	dst = append(dst, invalidMark)
-	dst = append(append(dst, reason...), 0)
-	dst = append(append(dst, field...), 0)
-	return append(dst, detail...)
+	return subjects.AppendFault(append(dst, invalidMark), reason, field, detail)
 }
 
 func invalidEntry(rec string, rev uint64) Entry {
@@ -519,5 +539,10 @@ func (t *Table) markReady() { t.readyOnce.Do(func() { close(t.ready) }) }
 // Mapping returns e as the lanes and direct mode take it: its values and revision, or the
 // reason, field and detail of an unusable value.
 func (e Entry) Mapping() subjects.Mapping {
-	return subjects.Mapping{Values: e.Values, Revision: e.Revision, Reason: e.Reason, Field: e.Field, Detail: e.Detail}
+	if e.Invalid {
+		return subjects.Unmappable(e.Reason, e.Field, e.Detail, e.Revision)
+	}
+	return subjects.Mapping{Values: e.Values, Revision: e.Revision}
 }
+
+var noMapping = subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)

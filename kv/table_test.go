@@ -92,7 +92,7 @@ func sameEntry(got, want kv.Entry) bool {
 	if got.Invalid {
 		return got.Values == (subjects.Values{}) && got.Reason != "" && got.Detail != ""
 	}
-	return got.Values == subjects.PackValues(got.Group) && got.Reason == "" && got.Detail == ""
+	return got.Values.Get(0) == got.Group && got.Reason == "" && got.Detail == ""
 }
 
 // hasEntry returns nil once Lookup(device) returns want (see sameEntry).

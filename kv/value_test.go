@@ -3,6 +3,7 @@ package kv_test
 import (
 	"fmt"
 	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -40,8 +41,8 @@ func TestStructuredValues(t *testing.T) {
 	fieldsAre := func(device string, rev uint64, region, group, tenant string) func() error {
 		return func() error {
 			e, ok := tb.Lookup(device)
-			want := subjects.PackValues(region, group, tenant)
-			if !ok || e.Invalid || e.Revision != rev || e.Values != want || e.Group != group {
+			got := []string{e.Values.Get(0), e.Values.Get(1), e.Values.Get(2)}
+			if !ok || e.Invalid || e.Revision != rev || !slices.Equal(got, []string{region, group, tenant}) || e.Group != group {
 				return fmt.Errorf("Lookup(%s) = %+v, %v; want region %s, group %s, tenant %s at revision %d", device, e, ok, region, group, tenant, rev)
 			}
 			return nil
@@ -73,6 +74,15 @@ func TestStructuredValues(t *testing.T) {
 			}
 			return nil
 		})
+	}
+	if m := tb.Mapping("dotted"); m.Mapped() || m.Reason() != wire.ReasonInvalidField || m.Field() != "region" || m.Detail() == "" {
+		t.Errorf("Mapping(dotted) = %q, %q, %q; want invalid-field, region, a why", m.Reason(), m.Field(), m.Detail())
+	}
+	if m := tb.Mapping("nobody"); m.Mapped() || m.Reason() != wire.ReasonNoMapping {
+		t.Errorf("Mapping(nobody) = %q, want %s", m.Reason(), wire.ReasonNoMapping)
+	}
+	if m := tb.Mapping("dev-42"); !m.Mapped() || m.Values.Get(1) != "g8" || m.Revision == 0 {
+		t.Errorf("Mapping(dev-42) = %+v, want g8", m)
 	}
 	want := map[string]int{wire.ReasonMissingField: 3, wire.ReasonInvalidField: 3, wire.ReasonInvalidValue: 2}
 	if got := tb.Invalid(); !maps.Equal(got, want) {
@@ -117,7 +127,7 @@ func TestRecordsShared(t *testing.T) {
 	if _, free := tb.RecordsForTest(); free != 1 {
 		t.Fatalf("after deleting every device of one value: %d free; want 1", free)
 	}
-	if e, ok := tb.Lookup("dev-new"); !ok || e.Values != subjects.PackValues("r8", "g0", "acme") {
+	if e, ok := tb.Lookup("dev-new"); !ok || e.Values.Get(0) != "r8" || e.Values.Get(1) != "g0" || e.Values.Get(2) != "acme" {
 		t.Fatalf("Lookup(dev-new) = %+v, %v; want the value it was put with", e, ok)
 	}
 }

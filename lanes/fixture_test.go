@@ -44,7 +44,7 @@ func (g *groups) lookup(device string) subjects.Mapping {
 	sc := g.schema
 	g.mu.RUnlock()
 	if !ok {
-		return subjects.Mapping{Reason: wire.ReasonNoMapping}
+		return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 	}
 	return kv.DecodeEntry(sc, []byte(v), 7).Mapping()
 }

@@ -478,18 +478,18 @@ func (l *lane) build(e *entry, d delivery) {
 	}
 	e.device = l.fields.Device()
 	m := l.p.lookup(e.device)
-	if l.park != nil && l.park.parks(e.device, m.Reason) {
+	if l.park != nil && l.park.parks(e.device, m.Reason()) {
 		l.parkEntry(e, d, hdr)
 		return
 	}
-	if m.Reason != "" {
-		e.reason = m.Reason
+	if !m.Mapped() {
+		e.reason = m.Reason()
 		from = len(e.text)
 		e.text = lay.AppendUnmapped(e.text, &l.fields)
 		e.m.Subject = e.since(from)
-		l.deadHeaders(hdr, m.Reason, m.Detail)
-		if m.Field != "" {
-			hdr[wire.HeaderField] = []string{m.Field}
+		l.deadHeaders(hdr, e.reason, m.Detail())
+		if f := m.Field(); f != "" {
+			hdr[wire.HeaderField] = []string{f}
 		}
 		return
 	}

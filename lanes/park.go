@@ -495,7 +495,7 @@ func (l *lane) parkStep(ctx context.Context) {
 		s.mu.Unlock()
 		for device := range pending {
 			if dev := s.devices[device]; dev != nil && dev.drain == nil && dev.queued == 0 {
-				if l.p.lookup(device).Reason == "" {
+				if l.p.lookup(device).Mapped() {
 					l.queueDrain(dev, drainRelease)
 				}
 			}
@@ -531,7 +531,7 @@ func (l *lane) sweep(now time.Time) {
 		if dev.drain != nil || dev.queued != 0 {
 			continue
 		}
-		if l.p.lookup(name).Reason == "" {
+		if l.p.lookup(name).Mapped() {
 			l.queueDrain(dev, drainRelease)
 			continue
 		}

@@ -194,7 +194,7 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 	var reason, why string
 	switch d.mode {
 	case drainRelease:
-		if mp = l.p.lookup(d.dev.name); mp.Reason != "" {
+		if mp = l.p.lookup(d.dev.name); !mp.Mapped() {
 			return nil
 		}
 	case drainExpire:
@@ -204,7 +204,7 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		reason = wire.ReasonParkExpired
 	case drainForce:
 		mp = l.p.lookup(d.dev.name)
-		reason, why = mp.Reason, mp.Detail
+		reason, why = mp.Reason(), mp.Detail()
 	case drainDrop:
 		reason = wire.ReasonParkDropped
 	}
@@ -238,8 +238,8 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		delete(hdr, wire.HeaderRevision)
 		hdr[wire.HeaderSubject] = []string{stored}
 		l.deadHeaders(hdr, reason, why)
-		if mp.Field != "" && reason == mp.Reason {
-			hdr[wire.HeaderField] = []string{mp.Field}
+		if mp.Field() != "" && reason == mp.Reason() {
+			hdr[wire.HeaderField] = []string{mp.Field()}
 		}
 		if reason == wire.ReasonOversized {
 			data = nil // what did not fit; it stays in INCOMING under the sequence in its Nats-Msg-Id

@@ -188,13 +188,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
-	lookup := func(device string) subjects.Mapping {
-		e, ok := table.Lookup(device)
-		if !ok {
-			return subjects.Mapping{Reason: wire.ReasonNoMapping}
-		}
-		return e.Mapping()
-	}
+	lookup := table.Mapping
 	var pool engine
 	fenced := lanes.ErrFenced
 	if cfg.Setup.Mode == wire.ModeDirect {

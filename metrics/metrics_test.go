@@ -62,7 +62,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 	pool, err := lanes.New(js, ctl, func(device string) subjects.Mapping {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return subjects.Mapping{Reason: wire.ReasonNoMapping}
+			return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 		}
 		return e.Mapping()
 	}, lanes.Config{Layout: lay, CheckpointInterval: 20 * time.Millisecond})

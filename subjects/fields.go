@@ -122,7 +122,17 @@ func parsePartition(s string, n int) (int, bool) {
 // extended slice. It does not allocate when dst has room. It does not check v: decode it once,
 // with l.Schema(), when the value is read. f must have been filled by l.Parse.
 func (l *Layout) AppendOut(dst []byte, f *Fields, v Values) []byte {
+	if l.rendered(v) {
+		return l.appendOps(dst, l.outFast, f, v)
+	}
 	return l.appendOps(dst, l.outOps, f, v)
+}
+
+// rendered reports whether v holds the parts of the templates l's schema renders, as it does
+// when l.Schema() decoded it (and not when another schema with the same fields, or PackValues,
+// made it).
+func (l *Layout) rendered(v Values) bool {
+	return len(l.schema.runs) > 0 && v.Len() == len(l.schema.fields)+len(l.schema.runs)
 }
 
 // AppendUnmapped appends the Unmapped subject for f to dst and returns the extended slice. It does

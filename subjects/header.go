@@ -20,7 +20,8 @@ type header struct {
 	name  string  // the header's name
 	parts []token // literal text (any, with its dots) and whole placeholders, in order
 	names []string
-	ops   []op
+	ops   []op // a step per field
+	fast  []op // a step per part the value renders alone (see Layout.outFast)
 }
 
 // parseHeader parses an output header given as Name=template, e.g. "Tenant={tenant}" or
@@ -169,6 +170,9 @@ func (l *Layout) HeaderName(i int) string { return l.headers[i].name }
 // slice. It does not allocate when dst has room. f must have been filled by l.Parse and v decoded
 // by l.Schema(); the value is then one a NATS header carries unchanged.
 func (l *Layout) AppendHeader(dst []byte, i int, f *Fields, v Values) []byte {
+	if l.rendered(v) {
+		return l.appendOps(dst, l.headers[i].fast, f, v)
+	}
 	return l.appendOps(dst, l.headers[i].ops, f, v)
 }
 

@@ -48,7 +48,8 @@ type Layout struct {
 	inPrefixDot string  // "incoming.": the leading literal tokens of In and their trailing dot
 	inRest      []token // In's tokens after the leading literals; placeholders in order
 	devIdx      int     // index of {device} among In's placeholders
-	outOps      []op
+	outOps      []op // Out, a step per field: what Values without rendered parts render with
+	outFast     []op // Out, a step per part of it the value renders alone (see Schema.runs)
 	unmappedOps []op
 	headers     []*header // the output headers (see [Layout.WithHeaders])
 	schema      *Schema
@@ -249,12 +250,47 @@ func (l *Layout) compile() error {
 			}
 		}
 	}
-	l.schema = sc
 	l.outOps = l.ops(l.Out.tokens, sc)
+	l.outFast = sc.addRuns(l.outOps)
 	for _, h := range l.headers {
 		h.ops = l.headerOps(h.parts, sc)
+		h.fast = sc.addRuns(h.ops)
 	}
+	l.schema = sc
 	return nil
+}
+
+// addRuns returns ops with each stretch of literals and fields between two placeholders of In
+// that holds a field replaced by one step: a part the schema renders once per value, when it
+// decodes it (see [Schema.Append]). A stretch that is one field alone stays that field.
+func (sc *Schema) addRuns(ops []op) []op {
+	var out, run []op
+	flush := func() {
+		values := 0
+		for _, o := range run {
+			if o.kind == opValue {
+				values++
+			}
+		}
+		switch {
+		case values == 0 || len(run) == 1:
+			out = append(out, run...)
+		default:
+			out = append(out, op{kind: opValue, idx: len(sc.fields) + len(sc.runs)})
+			sc.runs = append(sc.runs, run)
+		}
+		run = nil
+	}
+	for _, o := range ops {
+		if o.kind == opField {
+			flush()
+			out = append(out, o)
+			continue
+		}
+		run = append(run, o)
+	}
+	flush()
+	return out
 }
 
 // ops compiles tokens into steps, merging adjacent literals and dots so that rendering appends as

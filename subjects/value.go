@@ -58,6 +58,14 @@ type Field struct {
 	Headers []string
 }
 
+// which is "which <where> use(s)", for error messages.
+func (f Field) which() string {
+	if n := len(f.Headers); n > 1 || n == 1 && f.Subject {
+		return "which " + f.where() + " use"
+	}
+	return "which " + f.where() + " uses"
+}
+
 // where says where the templates use f, for error messages.
 func (f Field) where() string {
 	var parts []string
@@ -86,6 +94,10 @@ func (f Field) where() string {
 type Schema struct {
 	fields []Field
 	group  int // index of the field "group", or -1
+	// runs are the parts of the templates that depend on the value alone: literal text and
+	// fields, between two placeholders of In. Append renders each one after the fields, so that
+	// rendering a message appends one piece per run (see Layout.compile).
+	runs [][]op
 }
 
 // GroupSchema is the schema of the default templates: {group}, one subject token.
@@ -128,7 +140,8 @@ func (s *Schema) Names() []string {
 }
 
 // Values are the decoded fields of one device's value that a [Schema] needs, in its order, each
-// one checked for where the templates use it. A Values is an immutable string: copy it freely,
+// one checked for where the templates use it, followed by the parts of the templates that depend
+// on the value alone, rendered. A Values is an immutable string: copy it freely,
 // compare it with ==, use its bytes as a map key ([Values.String], [ValuesOf]). The zero Values
 // has no field.
 //
@@ -142,7 +155,7 @@ func ValuesOf(s string) Values { return Values{s} }
 // String returns v's form.
 func (v Values) String() string { return v.s }
 
-// Len returns the number of fields v holds.
+// Len returns the number of entries v holds: the schema's fields, then its rendered parts.
 func (v Values) Len() int {
 	if v.s == "" {
 		return 0
@@ -152,16 +165,15 @@ func (v Values) Len() int {
 
 // Get returns field i, a substring of v; "" when v has no field i.
 func (v Values) Get(i int) string {
-	n := v.Len()
-	if i < 0 || i >= n {
+	s := v.s
+	if uint(i) >= uint(v.Len()) {
 		return ""
 	}
-	start := 1 + 2*n
-	if i > 0 {
-		start = int(v.s[2*i-1]) | int(v.s[2*i])<<8
+	end := int(s[2*i+1]) | int(s[2*i+2])<<8
+	if i == 0 {
+		return s[1+2*int(s[0]) : end]
 	}
-	end := int(v.s[2*i+1]) | int(v.s[2*i+2])<<8
-	return v.s[start:end]
+	return s[int(s[2*i-1])|int(s[2*i])<<8 : end]
 }
 
 // PackValues returns the Values holding fields, in order. It checks nothing: it is for callers
@@ -194,37 +206,80 @@ func (s *Schema) Decode(value []byte) (Values, error) {
 }
 
 // Append decodes value (see [Schema] for the rules), checks every field the templates use for
-// where they use it, and appends the [Values] form to dst; the caller turns the appended bytes
-// into a Values with [ValuesOf] (or looks them up as a map key first, without allocating).
-// The error is a *[ValueError]; dst is then returned unchanged. Append never panics, whatever
-// value holds, and allocates only for a JSON string with escapes, or to report an error.
+// where they use it, and appends the [Values] form to dst: the fields, then the parts of the
+// templates that depend on the value alone, rendered (the layout renders a message from them).
+// The caller turns the appended bytes into a Values with [ValuesOf] (or looks them up as a map
+// key first, without allocating). The error is a *[ValueError]; dst is then returned unchanged.
+// Append never panics, whatever value holds, and allocates only for a JSON string with escapes,
+// or to report an error.
 func (s *Schema) Append(dst, value []byte) ([]byte, error) {
-	if len(value) > 0 && value[0] == '{' {
-		return s.appendJSON(dst, value)
+	base := len(dst)
+	total := len(s.fields) + len(s.runs)
+	dst = append(dst, byte(total))
+	for range total {
+		dst = append(dst, 0, 0)
 	}
-	return s.appendPlain(dst, value)
+	var err error
+	if len(value) > 0 && value[0] == '{' {
+		dst, err = s.appendJSON(dst, base, value)
+	} else {
+		dst, err = s.appendPlain(dst, base, value)
+	}
+	if err != nil {
+		return dst[:base], err
+	}
+	for r, run := range s.runs {
+		for _, o := range run {
+			if o.kind == opLit {
+				dst = append(dst, o.text...)
+			} else {
+				dst = append(dst, packedField(dst[base:], o.idx)...)
+			}
+		}
+		if err := setEnd(dst, base, len(s.fields)+r, s.fields[0].Name); err != nil {
+			return dst[:base], err
+		}
+	}
+	return dst, nil
 }
 
-func (s *Schema) appendPlain(dst, value []byte) ([]byte, error) {
+// packedField returns field i of p, a Values form being built whose fields up to i are set.
+func packedField(p []byte, i int) []byte {
+	n := int(p[0])
+	start := 1 + 2*n
+	if i > 0 {
+		start = int(p[2*i-1]) | int(p[2*i])<<8
+	}
+	return p[start : int(p[2*i+1])|int(p[2*i+2])<<8]
+}
+
+// setEnd records that entry i of the Values form at dst[base:] ends where dst does.
+func setEnd(dst []byte, base, i int, field string) error {
+	end := len(dst) - base
+	if end > 0xffff {
+		return &ValueError{Field: field, Err: ErrInvalidField,
+			Detail: fmt.Sprintf("field %q: the fields the templates use are longer than 64 KiB together", field)}
+	}
+	dst[base+1+2*i], dst[base+2+2*i] = byte(end), byte(end>>8)
+	return nil
+}
+
+func (s *Schema) appendPlain(dst []byte, base int, value []byte) ([]byte, error) {
 	for i, f := range s.fields {
 		if i == s.group {
 			continue
 		}
 		return dst, &ValueError{Field: f.Name, Err: ErrMissingField,
-			Detail: fmt.Sprintf("the value is not a JSON object, so it is {group} alone; it has no field %q, which %s uses", f.Name, f.where())}
+			Detail: fmt.Sprintf("the value is not a JSON object, so it is {group} alone; it has no field %q, %s", f.Name, f.which())}
 	}
 	if s.group < 0 {
-		return append(dst, 0), nil
+		return dst, nil
 	}
 	if err := s.check(s.fields[s.group], view(value)); err != nil {
 		return dst, &ValueError{Err: ErrInvalidToken, Detail: "the value is {group}, and " + strings.TrimPrefix(err.Error(), ErrInvalidToken.Error()+": ")}
 	}
-	base := len(dst)
-	dst = append(dst, 1, 0, 0)
 	dst = append(dst, value...)
-	end := len(dst) - base
-	dst[base+1], dst[base+2] = byte(end), byte(end>>8)
-	return dst, nil
+	return dst, setEnd(dst, base, 0, group)
 }
 
 // check reports why v cannot be used where the templates use f, or nil.
@@ -273,7 +328,7 @@ func view(b []byte) string {
 // span of a field's JSON value in the value being decoded; end 0 means not found.
 type jsonSpan struct{ start, end int }
 
-func (s *Schema) appendJSON(dst, value []byte) ([]byte, error) {
+func (s *Schema) appendJSON(dst []byte, base int, value []byte) ([]byte, error) {
 	if !json.Valid(value) {
 		return dst, &ValueError{Err: ErrInvalidValue, Detail: "the value starts with '{' but is not valid JSON: " + syntaxError(value)}
 	}
@@ -299,17 +354,12 @@ func (s *Schema) appendJSON(dst, value []byte) ([]byte, error) {
 			i = skipSpace(value, i+1)
 		}
 	}
-	base := len(dst)
-	dst = append(dst, byte(len(s.fields)))
-	for range s.fields {
-		dst = append(dst, 0, 0)
-	}
 	for idx, f := range s.fields {
 		sp := found[idx]
 		raw := value[sp.start:sp.end]
 		if sp.end == 0 || string(raw) == "null" {
 			return dst[:base], &ValueError{Field: f.Name, Err: ErrMissingField,
-				Detail: fmt.Sprintf("the value has no field %q, which %s uses", f.Name, f.where())}
+				Detail: fmt.Sprintf("the value has no field %q, %s", f.Name, f.which())}
 		}
 		start := len(dst)
 		var bad string
@@ -347,14 +397,11 @@ func (s *Schema) appendJSON(dst, value []byte) ([]byte, error) {
 		}
 		if bad != "" {
 			return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidField,
-				Detail: fmt.Sprintf("field %q, which %s uses: %s", f.Name, f.where(), bad)}
+				Detail: fmt.Sprintf("field %q, %s: %s", f.Name, f.which(), bad)}
 		}
-		end := len(dst) - base
-		if end > 0xffff {
-			return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidField,
-				Detail: fmt.Sprintf("field %q: the fields the templates use are longer than 64 KiB together", f.Name)}
+		if err := setEnd(dst, base, idx, f.Name); err != nil {
+			return dst[:base], err
 		}
-		dst[base+1+2*idx], dst[base+2+2*idx] = byte(end), byte(end>>8)
 	}
 	return dst, nil
 }

@@ -102,7 +102,7 @@ func TestDecode(t *testing.T) {
 			`no field "tier", which header Tier uses`},
 		{"plain where more is needed", meta, "g7", nil, subjects.ErrMissingField, "region", "not a JSON object"},
 		{"dot in a subject field", meta, `{` + strings.Replace(full, `"eu"`, `"eu.west"`, 1) + `}`, nil, subjects.ErrInvalidField, "region",
-			`field "region", which the out template and header Site uses: "eu.west" contains '.'`},
+			`field "region", which the out template and header Site use: "eu.west" contains '.'`},
 		{"wildcard", def, `{"group":">"}`, nil, subjects.ErrInvalidField, "group", "contains '>'"},
 		{"space in a subject field", def, `{"group":"g 7"}`, nil, subjects.ErrInvalidField, "group", "white space"},
 		{"empty subject field", def, `{"group":""}`, nil, subjects.ErrInvalidField, "group", "empty"},
@@ -133,7 +133,7 @@ func TestDecode(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Decode(%q) = %v, want nil", tt.value, err)
 			}
-			if got := fields(v); !slices.Equal(got, tt.want) {
+			if got := fields(v)[:tt.schema.Len()]; !slices.Equal(got, tt.want) {
 				t.Fatalf("Decode(%q) = %q, want %q", tt.value, got, tt.want)
 			}
 		})
@@ -177,6 +177,20 @@ func TestHeaders(t *testing.T) {
 	}
 	if got := string(l.AppendOut(nil, &f, v)); got != "outgoing.eu.acme.g7.dev-42.temp" {
 		t.Errorf("AppendOut = %q, want outgoing.eu.acme.g7.dev-42.temp", got)
+	}
+	// The parts that depend on the value alone are rendered once, when it is decoded; the same
+	// fields packed without them render the same, step by step.
+	if got := fields(v)[l.Schema().Len():]; !slices.Equal(got, []string{"outgoing.eu.acme.g7.", "eu/fra-2 ("}) {
+		t.Errorf("rendered parts = %q, want the out template's prefix and the Site header's", got)
+	}
+	raw := subjects.PackValues(fields(v)[:l.Schema().Len()]...)
+	if a, b := string(l.AppendOut(nil, &f, v)), string(l.AppendOut(nil, &f, raw)); a != b {
+		t.Errorf("AppendOut with the rendered parts = %q, without = %q", a, b)
+	}
+	for i := range l.NumHeaders() {
+		if a, b := string(l.AppendHeader(nil, i, &f, v)), string(l.AppendHeader(nil, i, &f, raw)); a != b {
+			t.Errorf("AppendHeader(%d) with the rendered parts = %q, without = %q", i, a, b)
+		}
 	}
 	want := [][2]string{{"Tenant", "acme"}, {"Site", "eu/fra-2 (dev-42)"}, {"Tier", "1"}}
 	if l.NumHeaders() != len(want) {
@@ -324,6 +338,17 @@ func FuzzDecode(f *testing.F) {
 			if subjects.ValidToken(v.Get(0)) != nil {
 				t.Fatalf("Decode(%q): group %q is not a valid token", value, v.Get(0))
 			}
+			var fl subjects.Fields
+			if err := l.Parse("incoming.3.d.e", &fl); err != nil {
+				t.Fatal(err)
+			}
+			raw := subjects.PackValues(v.Get(0), v.Get(1))
+			if a, b := string(l.AppendOut(nil, &fl, v)), string(l.AppendOut(nil, &fl, raw)); a != b || a != "outgoing."+v.Get(0)+".d.e" {
+				t.Fatalf("Decode(%q): AppendOut = %q, from the fields alone %q", value, a, b)
+			}
+			if a := string(l.AppendHeader(nil, 0, &fl, v)); a != v.Get(1) {
+				t.Fatalf("Decode(%q): Region header %q, want %q", value, a, v.Get(1))
+			}
 		}
 	})
 }
@@ -345,5 +370,62 @@ func TestDescribe(t *testing.T) {
 		`"group" (a subject token: the out template), "site" (a header value: header Site), "tier" (a header value: header Tier); other fields are ignored`
 	if got := meta.Describe(); got != want {
 		t.Errorf("Describe() = %q\nwant %q", got, want)
+	}
+}
+
+// BenchmarkRender renders a message's subject and output headers: the default templates with a
+// group, and three fields of a JSON value in the subject with one of them in a header.
+//
+//	go test -run '^$' -bench Render ./subjects/
+func BenchmarkRender(b *testing.B) {
+	three, err := subjects.NewLayout(defIn, "outgoing.{region}.{tenant}.{group}.{device}.{event}", defUnmapped, 16)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if three, err = three.WithHeaders([]string{"Tenant={tenant}"}); err != nil {
+		b.Fatal(err)
+	}
+	for _, c := range []struct {
+		name  string
+		lay   *subjects.Layout
+		value string
+	}{
+		{"group", defaultLayout(b), "group-42"},
+		{"three-fields", three, `{"group":"group-42","region":"region-2","tenant":"tenant-7"}`},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			var f subjects.Fields
+			if err := c.lay.Parse("incoming.7.dev-0000042.temp", &f); err != nil {
+				b.Fatal(err)
+			}
+			v, err := c.lay.Schema().Decode([]byte(c.value))
+			if err != nil {
+				b.Fatal(err)
+			}
+			buf := make([]byte, 0, 256)
+			b.ReportAllocs()
+			for b.Loop() {
+				buf = c.lay.AppendOut(buf[:0], &f, v)
+				for h := range c.lay.NumHeaders() {
+					buf = c.lay.AppendHeader(buf, h, &f, v)
+				}
+			}
+		})
+	}
+}
+
+func TestMapping(t *testing.T) {
+	if m := (subjects.Mapping{Values: subjects.PackValues("g"), Revision: 3}); !m.Mapped() || m.Reason() != "" || m.Field() != "" || m.Detail() != "" {
+		t.Errorf("a mapped Mapping reports reason %q, field %q, detail %q", m.Reason(), m.Field(), m.Detail())
+	}
+	m := subjects.Unmappable("missing-field", "region", "no field", 7)
+	if m.Mapped() || m.Reason() != "missing-field" || m.Field() != "region" || m.Detail() != "no field" || m.Revision != 7 {
+		t.Errorf("Unmappable = %v %q %q %q %d", m.Mapped(), m.Reason(), m.Field(), m.Detail(), m.Revision)
+	}
+	if f := subjects.Faulted(string(subjects.AppendFault(nil, "invalid-value", "", "not JSON")), 2); f.Reason() != "invalid-value" || f.Field() != "" || f.Detail() != "not JSON" {
+		t.Errorf("Faulted = %q %q %q", f.Reason(), f.Field(), f.Detail())
+	}
+	if n := subjects.Unmappable("no-mapping", "", "", 0); n.Mapped() || n.Reason() != "no-mapping" || n.Field() != "" || n.Detail() != "" {
+		t.Errorf("Unmappable(no-mapping) = %q %q %q", n.Reason(), n.Field(), n.Detail())
 	}
 }
