@@ -48,8 +48,8 @@ type Layout struct {
 	inPrefixDot string  // "incoming.": the leading literal tokens of In and their trailing dot
 	inRest      []token // In's tokens after the leading literals; placeholders in order
 	devIdx      int     // index of {device} among In's placeholders
-	outOps      []op // Out, a step per field: what Values without rendered parts render with
-	outFast     []op // Out, a step per part of it the value renders alone (see Schema.runs)
+	outOps      []op    // Out, a step per field: what Values without rendered parts render with
+	outFast     []op    // Out, a step per part of it the value renders alone (see Schema.runs)
 	unmappedOps []op
 	headers     []*header // the output headers (see [Layout.WithHeaders])
 	schema      *Schema
