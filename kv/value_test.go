@@ -3,7 +3,7 @@ package kv_test
 import (
 	"fmt"
 	"maps"
-	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,8 +14,8 @@ import (
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-// metaSchema is the schema of outgoing.{region}.{group}.{device}.{event} with a Tenant header.
-func metaSchema(t testing.TB) *subjects.Schema {
+// metaLayout routes on outgoing.{region}.{group}.{device}.{event} with a Tenant header.
+func metaLayout(t testing.TB) *subjects.Layout {
 	t.Helper()
 	l, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{region}.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {
@@ -24,7 +24,21 @@ func metaSchema(t testing.TB) *subjects.Schema {
 	if l, err = l.WithHeaders([]string{"Tenant={tenant}"}); err != nil {
 		t.Fatal(err)
 	}
-	return l.Schema()
+	return l
+}
+
+func metaSchema(t testing.TB) *subjects.Schema { return metaLayout(t).Schema() }
+
+// rendered is what metaLayout renders for a message of device with values v: its subject and
+// its Tenant header, "<subject> Tenant=<tenant>".
+func rendered(t testing.TB, device string, v subjects.Values) string {
+	t.Helper()
+	l := metaLayout(t)
+	var f subjects.Fields
+	if err := l.Parse("incoming."+strconv.Itoa(subjects.Partition(device, 16))+"."+device+".evt", &f); err != nil {
+		t.Fatal(err)
+	}
+	return string(l.AppendOut(nil, &f, v)) + " Tenant=" + string(l.AppendHeader(nil, 0, &f, v))
 }
 
 // TestStructuredValues: JSON values through a real bucket and watch, each field where the
@@ -41,8 +55,8 @@ func TestStructuredValues(t *testing.T) {
 	fieldsAre := func(device string, rev uint64, region, group, tenant string) func() error {
 		return func() error {
 			e, ok := tb.Lookup(device)
-			got := []string{e.Values.Get(0), e.Values.Get(1), e.Values.Get(2)}
-			if !ok || e.Invalid || e.Revision != rev || !slices.Equal(got, []string{region, group, tenant}) || e.Group != group {
+			want := fmt.Sprintf("outgoing.%s.%s.%s.evt Tenant=%s", region, group, device, tenant)
+			if !ok || e.Invalid || e.Revision != rev || rendered(t, device, e.Values) != want || e.Group != group {
 				return fmt.Errorf("Lookup(%s) = %+v, %v; want region %s, group %s, tenant %s at revision %d", device, e, ok, region, group, tenant, rev)
 			}
 			return nil
@@ -81,7 +95,7 @@ func TestStructuredValues(t *testing.T) {
 	if m := tb.Mapping("nobody"); m.Mapped() || m.Reason() != wire.ReasonNoMapping {
 		t.Errorf("Mapping(nobody) = %q, want %s", m.Reason(), wire.ReasonNoMapping)
 	}
-	if m := tb.Mapping("dev-42"); !m.Mapped() || m.Values.Get(1) != "g8" || m.Revision == 0 {
+	if m := tb.Mapping("dev-42"); !m.Mapped() || rendered(t, "dev-42", m.Values) != "outgoing.us.g8.dev-42.evt Tenant=acme" || m.Revision == 0 {
 		t.Errorf("Mapping(dev-42) = %+v, want g8", m)
 	}
 	want := map[string]int{wire.ReasonMissingField: 3, wire.ReasonInvalidField: 3, wire.ReasonInvalidValue: 2}
@@ -127,7 +141,7 @@ func TestRecordsShared(t *testing.T) {
 	if _, free := tb.RecordsForTest(); free != 1 {
 		t.Fatalf("after deleting every device of one value: %d free; want 1", free)
 	}
-	if e, ok := tb.Lookup("dev-new"); !ok || e.Values.Get(0) != "r8" || e.Values.Get(1) != "g0" || e.Values.Get(2) != "acme" {
+	if e, ok := tb.Lookup("dev-new"); !ok || rendered(t, "dev-new", e.Values) != "outgoing.r8.g0.dev-new.evt Tenant=acme" {
 		t.Fatalf("Lookup(dev-new) = %+v, %v; want the value it was put with", e, ok)
 	}
 }
@@ -147,6 +161,15 @@ func TestRecordReuseUnderReaders(t *testing.T) {
 		rev++
 		tb.PutForTest(fmt.Sprintf("dev-%d", d), value(d, rev), rev)
 	}
+	lay := metaLayout(t)
+	// render is rendered without the test's helpers, which readers must not call (t.Fatal).
+	render := func(device string, v subjects.Values) string {
+		var f subjects.Fields
+		if err := lay.Parse("incoming."+strconv.Itoa(subjects.Partition(device, 16))+"."+device+".evt", &f); err != nil {
+			return err.Error()
+		}
+		return string(lay.AppendOut(nil, &f, v)) + " Tenant=" + string(lay.AppendHeader(nil, 0, &f, v))
+	}
 	var stop atomic.Bool
 	var wrong atomic.Value
 	var wg sync.WaitGroup
@@ -156,7 +179,8 @@ func TestRecordReuseUnderReaders(t *testing.T) {
 				d := i % devices
 				dev := fmt.Sprintf("dev-%d", d)
 				e, ok := tb.Lookup(dev)
-				if !ok || e.Invalid || e.Values.Get(0) != dev || e.Group != fmt.Sprintf("g%d", e.Revision) || e.Values.Get(2) != fmt.Sprint(e.Revision) {
+				want := fmt.Sprintf("outgoing.%s.g%d.%s.evt Tenant=%d", dev, e.Revision, dev, e.Revision)
+				if !ok || e.Invalid || e.Group != fmt.Sprintf("g%d", e.Revision) || render(dev, e.Values) != want {
 					wrong.Store(fmt.Sprintf("Lookup(%s) = %+v, %v: fields of another device or revision", dev, e, ok))
 					return
 				}

@@ -252,32 +252,41 @@ func (l *Layout) compile() error {
 	}
 	l.outOps = l.ops(l.Out.tokens, sc)
 	l.outFast = sc.addRuns(l.outOps)
+	fast := [][]op{l.outFast}
 	for _, h := range l.headers {
 		h.ops = l.headerOps(h.parts, sc)
 		h.fast = sc.addRuns(h.ops)
+		fast = append(fast, h.fast)
 	}
+	sc.markKept(fast...)
 	l.schema = sc
 	return nil
 }
 
-// addRuns returns ops with each stretch of literals and fields between two placeholders of In
-// that holds a field replaced by one step: a part the schema renders once per value, when it
-// decodes it (see [Schema.Append]). A stretch that is one field alone stays that field.
+// addRuns returns ops with each stretch of fields between two placeholders of In, with the
+// literal text between them, replaced by one step: a part the schema renders once per value,
+// when it decodes it (see [Schema.Append]). Literal text before the first field and after the
+// last of a stretch stays literal; a stretch of one field alone stays that field.
 func (sc *Schema) addRuns(ops []op) []op {
 	var out, run []op
 	flush := func() {
-		values := 0
-		for _, o := range run {
+		first, last := -1, -1
+		for i, o := range run {
 			if o.kind == opValue {
-				values++
+				if first < 0 {
+					first = i
+				}
+				last = i
 			}
 		}
 		switch {
-		case values == 0 || len(run) == 1:
+		case first < 0 || first == last:
 			out = append(out, run...)
 		default:
+			out = append(out, run[:first]...)
 			out = append(out, op{kind: opValue, idx: len(sc.fields) + len(sc.runs)})
-			sc.runs = append(sc.runs, run)
+			sc.runs = append(sc.runs, run[first:last+1])
+			out = append(out, run[last+1:]...)
 		}
 		run = nil
 	}
@@ -291,6 +300,22 @@ func (sc *Schema) addRuns(ops []op) []op {
 	}
 	flush()
 	return out
+}
+
+// markKept records which fields a record must keep besides the rendered parts: {group} (the
+// table reports it), and those a template renders alone, outside a part.
+func (sc *Schema) markKept(fast ...[]op) {
+	sc.kept = make([]bool, len(sc.fields))
+	if sc.group >= 0 {
+		sc.kept[sc.group] = true
+	}
+	for _, ops := range fast {
+		for _, o := range ops {
+			if o.kind == opValue && o.idx < len(sc.fields) {
+				sc.kept[o.idx] = true
+			}
+		}
+	}
 }
 
 // ops compiles tokens into steps, merging adjacent literals and dots so that rendering appends as

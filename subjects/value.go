@@ -94,10 +94,12 @@ func (f Field) where() string {
 type Schema struct {
 	fields []Field
 	group  int // index of the field "group", or -1
-	// runs are the parts of the templates that depend on the value alone: literal text and
-	// fields, between two placeholders of In. Append renders each one after the fields, so that
-	// rendering a message appends one piece per run (see Layout.compile).
+	// runs are the parts of the templates that depend on the value alone: fields and the
+	// literal text between them, between two placeholders of In. Append renders each one after
+	// the fields, so that rendering a message appends one piece per run (see Layout.compile).
 	runs [][]op
+	// kept says which fields a record keeps (AppendRecord): the others are rendered in runs only.
+	kept []bool
 }
 
 // GroupSchema is the schema of the default templates: {group}, one subject token.
@@ -241,6 +243,33 @@ func (s *Schema) Append(dst, value []byte) ([]byte, error) {
 		}
 	}
 	return dst, nil
+}
+
+// AppendRecord is [Schema.Append] for a table that keeps the value only to render messages with
+// it: the fields the templates use only inside a rendered part are left empty, which halves the
+// bytes of a record whose fields are all in the subject. {group} is always kept. The layout
+// renders a record exactly as it renders the Values Append makes.
+func (s *Schema) AppendRecord(dst, value []byte) ([]byte, error) {
+	base := len(dst)
+	dst, err := s.Append(dst, value)
+	if err != nil || len(s.runs) == 0 {
+		return dst, err
+	}
+	// Move every kept entry down over the ones dropped, in place, and end the dropped ones where
+	// the entry before them ends.
+	total := len(s.fields) + len(s.runs)
+	w := base + 1 + 2*total // where the next entry's bytes go
+	start := w
+	for i := range total {
+		end := base + (int(dst[base+1+2*i]) | int(dst[base+2+2*i])<<8)
+		if i >= len(s.fields) || s.kept[i] {
+			w += copy(dst[w:], dst[start:end])
+		}
+		start = end
+		e := w - base
+		dst[base+1+2*i], dst[base+2+2*i] = byte(e), byte(e>>8)
+	}
+	return dst[:w], nil
 }
 
 // packedField returns field i of p, a Values form being built whose fields up to i are set.

@@ -180,7 +180,7 @@ func TestHeaders(t *testing.T) {
 	}
 	// The parts that depend on the value alone are rendered once, when it is decoded; the same
 	// fields packed without them render the same, step by step.
-	if got := fields(v)[l.Schema().Len():]; !slices.Equal(got, []string{"outgoing.eu.acme.g7.", "eu/fra-2 ("}) {
+	if got := fields(v)[l.Schema().Len():]; !slices.Equal(got, []string{"eu.acme.g7", "eu/fra-2"}) {
 		t.Errorf("rendered parts = %q, want the out template's prefix and the Site header's", got)
 	}
 	raw := subjects.PackValues(fields(v)[:l.Schema().Len()]...)
@@ -190,6 +190,27 @@ func TestHeaders(t *testing.T) {
 	for i := range l.NumHeaders() {
 		if a, b := string(l.AppendHeader(nil, i, &f, v)), string(l.AppendHeader(nil, i, &f, raw)); a != b {
 			t.Errorf("AppendHeader(%d) with the rendered parts = %q, without = %q", i, a, b)
+		}
+	}
+	// A table's record keeps only {group}, the fields a template renders alone (tenant, tier)
+	// and the rendered parts, and renders the same.
+	recb, err := l.Schema().AppendRecord([]byte("x"), []byte(`{"group":"g7","tenant":"acme","region":"eu","site":"fra-2","tier":1}`))
+	if err != nil || recb[0] != 'x' {
+		t.Fatalf("AppendRecord = %q, %v", recb, err)
+	}
+	rec := subjects.ValuesOf(string(recb[1:]))
+	if got := fields(rec); !slices.Equal(got, []string{"", "acme", "g7", "", "1", "eu.acme.g7", "eu/fra-2"}) {
+		t.Errorf("AppendRecord fields = %q, want region and site only in the rendered parts", got)
+	}
+	if len(rec.String()) >= len(v.String()) {
+		t.Errorf("AppendRecord holds %d bytes, Append %d: want fewer", len(rec.String()), len(v.String()))
+	}
+	if a, b := string(l.AppendOut(nil, &f, rec)), string(l.AppendOut(nil, &f, v)); a != b {
+		t.Errorf("AppendOut of the record = %q, of the values = %q", a, b)
+	}
+	for i := range l.NumHeaders() {
+		if a, b := string(l.AppendHeader(nil, i, &f, rec)), string(l.AppendHeader(nil, i, &f, v)); a != b {
+			t.Errorf("AppendHeader(%d) of the record = %q, of the values = %q", i, a, b)
 		}
 	}
 	want := [][2]string{{"Tenant", "acme"}, {"Site", "eu/fra-2 (dev-42)"}, {"Tier", "1"}}
@@ -276,12 +297,14 @@ func TestWithHeaders(t *testing.T) {
 // encoding/json reads of the fields, rendered by the documented rules; a value it refuses as
 // invalid is one encoding/json refuses too, or names a field twice.
 func FuzzDecode(f *testing.F) {
-	for _, s := range []string{`{"group":"g7","region":"eu"}`, `{"group":7,"region":true}`, "g7", `{"group":"a\u00e9"}`,
+	for _, s := range []string{`{"group":"g7","region":"eu","site":"s1"}`, `{"group":7,"region":true,"site":-0}`, "g7", `{"group":"a\u00e9"}`,
 		`{"group":null}`, `{"group":[1,"]"],"region":{"a":"}"}}`, `{"group":-0,"region":1e3}`, `{`, `{"group":"g","group":"h"}`,
-		`{"region":"x","group":"\ud800"}`} {
+		`{"region":"x","group":"\ud800","site":"y"}`} {
 		f.Add(s)
 	}
-	l, err := subjects.NewLayout(defIn, "outgoing.{group}.{device}.{event}", defUnmapped, 16)
+	// group and site in the subject, where they render as one part with the dot between them;
+	// region in a header alone.
+	l, err := subjects.NewLayout(defIn, "outgoing.{group}.{site}.{device}.{event}", defUnmapped, 16)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -293,7 +316,7 @@ func FuzzDecode(f *testing.F) {
 		v, err := sc.Decode([]byte(value))
 		if !strings.HasPrefix(value, "{") {
 			if !errors.Is(err, subjects.ErrMissingField) {
-				t.Fatalf("Decode(%q) = %v: a plain value lacks region", value, err)
+				t.Fatalf("Decode(%q) = %v: a plain value lacks site and region", value, err)
 			}
 			return
 		}
@@ -308,11 +331,11 @@ func FuzzDecode(f *testing.F) {
 		if jerr != nil {
 			t.Fatalf("Decode(%q) = %v, %v; encoding/json refuses it: %v", value, fields(v), err, jerr)
 		}
+		if err != nil {
+			return
+		}
 		for i, name := range sc.Names() {
 			jv, ok := m[name]
-			if err != nil {
-				continue
-			}
 			if !ok || jv == nil {
 				t.Fatalf("Decode(%q) = %q, but encoding/json has no %s", value, fields(v), name)
 			}
@@ -323,7 +346,7 @@ func FuzzDecode(f *testing.F) {
 			case bool:
 				want = strconv.FormatBool(x)
 			case float64:
-				want = v.Get(i) // checked below: an integer, as written
+				want = v.Get(i) // checked here: an integer, as written
 				if n, perr := strconv.ParseFloat(want, 64); perr != nil || n != x || strings.ContainsAny(want, ".eE+") {
 					t.Fatalf("Decode(%q): %s = %q, encoding/json reads %v", value, name, want, x)
 				}
@@ -334,20 +357,22 @@ func FuzzDecode(f *testing.F) {
 				t.Fatalf("Decode(%q): %s = %q, encoding/json reads %q", value, name, got, want)
 			}
 		}
-		if err == nil {
-			if subjects.ValidToken(v.Get(0)) != nil {
-				t.Fatalf("Decode(%q): group %q is not a valid token", value, v.Get(0))
-			}
-			var fl subjects.Fields
-			if err := l.Parse("incoming.3.d.e", &fl); err != nil {
-				t.Fatal(err)
-			}
-			raw := subjects.PackValues(v.Get(0), v.Get(1))
-			if a, b := string(l.AppendOut(nil, &fl, v)), string(l.AppendOut(nil, &fl, raw)); a != b || a != "outgoing."+v.Get(0)+".d.e" {
-				t.Fatalf("Decode(%q): AppendOut = %q, from the fields alone %q", value, a, b)
-			}
-			if a := string(l.AppendHeader(nil, 0, &fl, v)); a != v.Get(1) {
-				t.Fatalf("Decode(%q): Region header %q, want %q", value, a, v.Get(1))
+		group, site, region := v.Get(sc.Index("group")), v.Get(sc.Index("site")), v.Get(sc.Index("region"))
+		if subjects.ValidToken(group) != nil || subjects.ValidToken(site) != nil {
+			t.Fatalf("Decode(%q): group %q or site %q is not a valid token", value, group, site)
+		}
+		var fl subjects.Fields
+		if err := l.Parse("incoming.3.d.e", &fl); err != nil {
+			t.Fatal(err)
+		}
+		rb, err := sc.AppendRecord(nil, []byte(value))
+		if err != nil {
+			t.Fatalf("Decode(%q) = nil, AppendRecord = %v", value, err)
+		}
+		wantOut := "outgoing." + group + "." + site + ".d.e"
+		for _, w := range []subjects.Values{v, subjects.PackValues(fields(v)[:sc.Len()]...), subjects.ValuesOf(string(rb))} {
+			if a, b := string(l.AppendOut(nil, &fl, w)), string(l.AppendHeader(nil, 0, &fl, w)); a != wantOut || b != region {
+				t.Fatalf("Decode(%q): %q renders %q and Region %q, want %q and %q", value, w.String(), a, b, wantOut, region)
 			}
 		}
 	})
