@@ -206,7 +206,11 @@ func BenchmarkLookupRender(b *testing.B) {
 						b.Fatalf("Mapping(%s) = %+v", f.Device(), e)
 					}
 					buf = c.lay.AppendOut(buf[:0], &f, e.Values)
-					for h := range c.lay.NumHeaders() {
+					for h := range c.lay.NumHeaders() { // as the lanes do
+						if v, ok := c.lay.HeaderString(h, e.Values); ok {
+							hdr[h] = v
+							continue
+						}
 						from := len(buf)
 						buf = c.lay.AppendHeader(buf, h, &f, e.Values)
 						hdr[h] = unsafe.String(&buf[from], len(buf)-from)

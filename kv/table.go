@@ -305,7 +305,7 @@ func invalidEntry(rec string, rev uint64) Entry {
 // appendRecord decodes value with schema and appends its record to dst: the packed Values, or
 // an invalid record that says why.
 func appendRecord(dst []byte, schema *subjects.Schema, value []byte) (rec []byte, invalid bool) {
-	b, err := schema.AppendRecord(dst, value)
+	b, err := schema.Append(dst, value)
 	if err == nil {
 		return b, false
 	}

@@ -501,9 +501,13 @@ func (l *lane) build(e *entry, d delivery) {
 			e.hvals = make([]string, n)
 		}
 		for i := range n {
-			from = len(e.text)
-			e.text = lay.AppendHeader(e.text, i, &l.fields, m.Values)
-			e.hvals[i] = e.since(from)
+			v, ok := lay.HeaderString(i, m.Values)
+			if !ok {
+				from = len(e.text)
+				e.text = lay.AppendHeader(e.text, i, &l.fields, m.Values)
+				v = e.since(from)
+			}
+			e.hvals[i] = v
 			hdr[lay.HeaderName(i)] = e.hvals[i : i+1 : i+1]
 		}
 	}

@@ -122,17 +122,11 @@ func parsePartition(s string, n int) (int, bool) {
 // extended slice. It does not allocate when dst has room. It does not check v: decode it once,
 // with l.Schema(), when the value is read. f must have been filled by l.Parse.
 func (l *Layout) AppendOut(dst []byte, f *Fields, v Values) []byte {
-	if l.rendered(v) {
-		return l.appendOps(dst, l.outFast, f, v)
+	ops := l.outOps
+	if v.Len() == l.fastLen {
+		ops = l.outFast
 	}
-	return l.appendOps(dst, l.outOps, f, v)
-}
-
-// rendered reports whether v holds the parts of the templates l's schema renders, as it does
-// when l.Schema() decoded it (and not when another schema with the same fields, or PackValues,
-// made it).
-func (l *Layout) rendered(v Values) bool {
-	return len(l.schema.runs) > 0 && v.Len() == len(l.schema.fields)+len(l.schema.runs)
+	return l.appendOps(dst, ops, f, v)
 }
 
 // AppendUnmapped appends the Unmapped subject for f to dst and returns the extended slice. It does
@@ -147,7 +141,11 @@ func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, v Values) []byte {
 		case opLit:
 			dst = append(dst, o.text...)
 		case opValue:
-			dst = append(dst, v.Get(o.idx)...)
+			if r, ok := get1(v.s, o.idx); ok {
+				dst = append(dst, r...)
+			} else {
+				dst = append(dst, v.Get(o.idx)...)
+			}
 		case opField:
 			sp := f.spans[o.idx]
 			dst = append(dst, f.subject[sp.start:sp.end]...)

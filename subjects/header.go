@@ -22,6 +22,10 @@ type header struct {
 	names []string
 	ops   []op // a step per field
 	fast  []op // a step per part the value renders alone (see Layout.outFast)
+	// one and fastOne say whether ops and fast are one field alone, or literal text alone (lit):
+	// see [Layout.HeaderString].
+	one, fastOne int
+	lit          string
 }
 
 // parseHeader parses an output header given as Name=template, e.g. "Tenant={tenant}" or
@@ -170,11 +174,53 @@ func (l *Layout) HeaderName(i int) string { return l.headers[i].name }
 // slice. It does not allocate when dst has room. f must have been filled by l.Parse and v decoded
 // by l.Schema(); the value is then one a NATS header carries unchanged.
 func (l *Layout) AppendHeader(dst []byte, i int, f *Fields, v Values) []byte {
-	if l.rendered(v) {
-		return l.appendOps(dst, l.headers[i].fast, f, v)
+	h := l.headers[i]
+	if v.Len() == l.fastLen {
+		return l.appendOps(dst, h.fast, f, v)
 	}
-	return l.appendOps(dst, l.headers[i].ops, f, v)
+	return l.appendOps(dst, h.ops, f, v)
 }
+
+// HeaderString returns the value of output header i for v when it takes no rendering per message
+// (the template is one field of the value, or literal text alone, or the value rendered it when
+// it was decoded), and true; it returns false when the header needs [Layout.AppendHeader]. The
+// string is a part of v, or of l: it does not change, and costs nothing to keep.
+func (l *Layout) HeaderString(i int, v Values) (string, bool) {
+	h := l.headers[i]
+	one := h.one
+	if v.Len() == l.fastLen {
+		one = h.fastOne
+	}
+	switch {
+	case one >= 0:
+		if r, ok := get1(v.s, one); ok {
+			return r, true
+		}
+		return v.Get(one), true
+	case one == oneLiteral:
+		return h.lit, true
+	}
+	return "", false
+}
+
+// oneOf describes ops of a header for HeaderString: the index of its one field, oneLiteral when
+// it is literal text alone (lit), or oneNone.
+func oneOf(ops []op) (one int, lit string) {
+	if len(ops) == 1 {
+		switch ops[0].kind {
+		case opValue:
+			return ops[0].idx, ""
+		case opLit:
+			return oneLiteral, ops[0].text
+		}
+	}
+	return oneNone, ""
+}
+
+const (
+	oneLiteral = -1
+	oneNone    = -2
+)
 
 // IsHeader reports whether key names one of the output headers, in any case: a mapped message's
 // header of that name is replaced by the output header.

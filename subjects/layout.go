@@ -50,6 +50,9 @@ type Layout struct {
 	devIdx      int     // index of {device} among In's placeholders
 	outOps      []op    // Out, a step per field: what Values without rendered parts render with
 	outFast     []op    // Out, a step per part of it the value renders alone (see Schema.runs)
+	// fastLen is the number of entries of the Values the schema decodes, which hold the rendered
+	// parts the fast steps use; -1 when there are none (then the two are the same).
+	fastLen int
 	unmappedOps []op
 	headers     []*header // the output headers (see [Layout.WithHeaders])
 	schema      *Schema
@@ -252,41 +255,39 @@ func (l *Layout) compile() error {
 	}
 	l.outOps = l.ops(l.Out.tokens, sc)
 	l.outFast = sc.addRuns(l.outOps)
-	fast := [][]op{l.outFast}
 	for _, h := range l.headers {
 		h.ops = l.headerOps(h.parts, sc)
 		h.fast = sc.addRuns(h.ops)
-		fast = append(fast, h.fast)
+		h.one, h.lit = oneOf(h.ops)
+		h.fastOne, _ = oneOf(h.fast)
 	}
-	sc.markKept(fast...)
 	l.schema = sc
+	l.fastLen = -1
+	if len(sc.runs) > 0 {
+		l.fastLen = len(sc.fields) + len(sc.runs)
+	}
 	return nil
 }
 
-// addRuns returns ops with each stretch of fields between two placeholders of In, with the
-// literal text between them, replaced by one step: a part the schema renders once per value,
-// when it decodes it (see [Schema.Append]). Literal text before the first field and after the
-// last of a stretch stays literal; a stretch of one field alone stays that field.
+// addRuns returns ops with each stretch of literal text and fields between two placeholders of
+// In that holds a field, and more than that field alone, replaced by one step: a part the
+// schema renders once per value, when it decodes it (see [Schema.Append]). Rendering a message
+// then appends one piece per part: "outgoing.eu.g7." rather than five.
 func (sc *Schema) addRuns(ops []op) []op {
 	var out, run []op
 	flush := func() {
-		first, last := -1, -1
-		for i, o := range run {
+		values := 0
+		for _, o := range run {
 			if o.kind == opValue {
-				if first < 0 {
-					first = i
-				}
-				last = i
+				values++
 			}
 		}
 		switch {
-		case first < 0 || first == last:
+		case values == 0 || len(run) == 1:
 			out = append(out, run...)
 		default:
-			out = append(out, run[:first]...)
 			out = append(out, op{kind: opValue, idx: len(sc.fields) + len(sc.runs)})
-			sc.runs = append(sc.runs, run[first:last+1])
-			out = append(out, run[last+1:]...)
+			sc.runs = append(sc.runs, run)
 		}
 		run = nil
 	}
@@ -300,22 +301,6 @@ func (sc *Schema) addRuns(ops []op) []op {
 	}
 	flush()
 	return out
-}
-
-// markKept records which fields a record must keep besides the rendered parts: {group} (the
-// table reports it), and those a template renders alone, outside a part.
-func (sc *Schema) markKept(fast ...[]op) {
-	sc.kept = make([]bool, len(sc.fields))
-	if sc.group >= 0 {
-		sc.kept[sc.group] = true
-	}
-	for _, ops := range fast {
-		for _, o := range ops {
-			if o.kind == opValue && o.idx < len(sc.fields) {
-				sc.kept[o.idx] = true
-			}
-		}
-	}
 }
 
 // ops compiles tokens into steps, merging adjacent literals and dots so that rendering appends as

@@ -98,8 +98,6 @@ type Schema struct {
 	// literal text between them, between two placeholders of In. Append renders each one after
 	// the fields, so that rendering a message appends one piece per run (see Layout.compile).
 	runs [][]op
-	// kept says which fields a record keeps (AppendRecord): the others are rendered in runs only.
-	kept []bool
 }
 
 // GroupSchema is the schema of the default templates: {group}, one subject token.
@@ -143,12 +141,14 @@ func (s *Schema) Names() []string {
 
 // Values are the decoded fields of one device's value that a [Schema] needs, in its order, each
 // one checked for where the templates use it, followed by the parts of the templates that depend
-// on the value alone, rendered. A Values is an immutable string: copy it freely,
-// compare it with ==, use its bytes as a map key ([Values.String], [ValuesOf]). The zero Values
-// has no field.
+// on the value alone, rendered. A Values is an immutable string: copy it freely, compare it
+// with ==, use its bytes as a map key ([Values.String], [ValuesOf]). The zero Values has no
+// field.
 //
-// Its form, which [Schema.Append] writes: one byte n (the number of fields), n little-endian
-// uint16 end offsets from the start, then the fields' bytes one after the other.
+// Its form, which [Schema.Append] writes: one byte, the number of entries n (the high bit set
+// when offsets take two bytes), then n (start, end) offset pairs from the form's start, one byte
+// each while the whole form is under 256 bytes, else two (little-endian), then the bytes. A
+// field rendered inside a part is not stored twice: its entry points into the part.
 type Values struct{ s string }
 
 // ValuesOf returns the Values whose form is s, as [Values.String] returned it.
@@ -162,40 +162,71 @@ func (v Values) Len() int {
 	if v.s == "" {
 		return 0
 	}
-	return int(v.s[0])
+	return int(v.s[0] & 0x7f)
 }
 
-// Get returns field i, a substring of v; "" when v has no field i.
+// Get returns entry i, a substring of v; "" when v has no entry i.
 func (v Values) Get(i int) string {
+	if r, ok := get1(v.s, i); ok {
+		return r
+	}
+	return v.getWide(i)
+}
+
+// get1 is Get for a form with one-byte offsets; false for another form, or no entry i. Small
+// enough to inline: the hot path.
+func get1(s string, i int) (string, bool) {
+	if uint(2+2*i) < uint(len(s)) && s[0] < 0x80 && uint(i) < uint(s[0]) {
+		return s[s[1+2*i]:s[2+2*i]], true
+	}
+	return "", false
+}
+
+func (v Values) getWide(i int) string {
 	s := v.s
-	if uint(i) >= uint(v.Len()) {
+	if len(s) == 0 || s[0] < 0x80 || uint(i) >= uint(s[0]&0x7f) {
 		return ""
 	}
-	end := int(s[2*i+1]) | int(s[2*i+2])<<8
-	if i == 0 {
-		return s[1+2*int(s[0]) : end]
-	}
-	return s[int(s[2*i-1])|int(s[2*i])<<8 : end]
+	o := 1 + 4*i
+	return s[int(s[o])|int(s[o+1])<<8 : int(s[o+2])|int(s[o+3])<<8]
 }
 
 // PackValues returns the Values holding fields, in order. It checks nothing: it is for callers
 // whose fields are checked already (tests, and tables decoded elsewhere).
 func PackValues(fields ...string) Values {
-	return Values{string(appendPacked(nil, fields))}
+	var b []byte
+	spans := make([]span, len(fields))
+	for i, f := range fields {
+		spans[i] = span{len(b), len(b) + len(f)}
+		b = append(b, f...)
+	}
+	out, err := appendForm(nil, b, spans)
+	if err != nil {
+		return Values{}
+	}
+	return Values{string(out)}
 }
 
-func appendPacked(dst []byte, fields []string) []byte {
-	base := len(dst)
-	dst = append(dst, byte(len(fields)))
-	for range fields {
-		dst = append(dst, 0, 0)
+// appendForm appends the Values form of entries, each a span of body, to dst.
+func appendForm(dst, body []byte, entries []span) ([]byte, error) {
+	n := len(entries)
+	wide, head := byte(0), 1+2*n
+	if head+len(body) > 0xff {
+		wide, head = 0x80, 1+4*n
 	}
-	for i, f := range fields {
-		dst = append(dst, f...)
-		end := len(dst) - base
-		dst[base+1+2*i], dst[base+2+2*i] = byte(end), byte(end>>8)
+	if head+len(body) > 0xffff {
+		return dst, errors.New("the fields the templates use are longer than 64 KiB together")
 	}
-	return dst
+	dst = append(dst, byte(n)|wide)
+	for _, e := range entries {
+		a, b := head+e.start, head+e.end
+		if wide == 0 {
+			dst = append(dst, byte(a), byte(b))
+		} else {
+			dst = append(dst, byte(a), byte(a>>8), byte(b), byte(b>>8))
+		}
+	}
+	return append(dst, body...), nil
 }
 
 // Decode is [Schema.Append] into a new Values.
@@ -207,6 +238,10 @@ func (s *Schema) Decode(value []byte) (Values, error) {
 	return Values{string(b)}, nil
 }
 
+// maxEntries bounds the entries of one Values: MaxFields fields and the rendered parts of the
+// out template (at most one more than the placeholders of In) and of MaxHeaders headers.
+const maxEntries = MaxFields + MaxPlaceholders + 1 + MaxHeaders
+
 // Append decodes value (see [Schema] for the rules), checks every field the templates use for
 // where they use it, and appends the [Values] form to dst: the fields, then the parts of the
 // templates that depend on the value alone, rendered (the layout renders a message from them).
@@ -216,84 +251,56 @@ func (s *Schema) Decode(value []byte) (Values, error) {
 // or to report an error.
 func (s *Schema) Append(dst, value []byte) ([]byte, error) {
 	base := len(dst)
-	total := len(s.fields) + len(s.runs)
-	dst = append(dst, byte(total))
-	for range total {
-		dst = append(dst, 0, 0)
-	}
+	var fields [MaxFields]span // where each field's bytes are in dst
 	var err error
 	if len(value) > 0 && value[0] == '{' {
-		dst, err = s.appendJSON(dst, base, value)
+		dst, err = s.appendJSON(dst, value, &fields)
 	} else {
-		dst, err = s.appendPlain(dst, base, value)
+		dst, err = s.appendPlain(dst, value, &fields)
 	}
 	if err != nil {
 		return dst[:base], err
 	}
+	// The rendered parts, after the fields; a field a part holds is found there, not stored
+	// again. Entries are spans of the body: the parts, then the fields no part holds.
+	var entries [maxEntries]span
+	nf := len(s.fields)
+	body := len(dst)
+	inPart := [MaxFields]bool{}
 	for r, run := range s.runs {
+		start := len(dst) - body
 		for _, o := range run {
 			if o.kind == opLit {
 				dst = append(dst, o.text...)
-			} else {
-				dst = append(dst, packedField(dst[base:], o.idx)...)
+				continue
+			}
+			f := fields[o.idx]
+			at := len(dst) - body
+			dst = append(dst, dst[f.start:f.end]...)
+			if !inPart[o.idx] {
+				inPart[o.idx], entries[o.idx] = true, span{at, len(dst) - body}
 			}
 		}
-		if err := setEnd(dst, base, len(s.fields)+r, s.fields[0].Name); err != nil {
-			return dst[:base], err
+		entries[nf+r] = span{start, len(dst) - body}
+	}
+	for i := range nf {
+		if !inPart[i] {
+			f := fields[i]
+			at := len(dst) - body
+			dst = append(dst, dst[f.start:f.end]...)
+			entries[i] = span{at, len(dst) - body}
 		}
 	}
-	return dst, nil
+	form := len(dst)
+	dst, err = appendForm(dst, dst[body:form], entries[:nf+len(s.runs)])
+	if err != nil {
+		return dst[:base], &ValueError{Field: s.fields[0].Name, Err: ErrInvalidField, Detail: err.Error()}
+	}
+	n := copy(dst[base:], dst[form:])
+	return dst[:base+n], nil
 }
 
-// AppendRecord is [Schema.Append] for a table that keeps the value only to render messages with
-// it: the fields the templates use only inside a rendered part are left empty, which halves the
-// bytes of a record whose fields are all in the subject. {group} is always kept. The layout
-// renders a record exactly as it renders the Values Append makes.
-func (s *Schema) AppendRecord(dst, value []byte) ([]byte, error) {
-	base := len(dst)
-	dst, err := s.Append(dst, value)
-	if err != nil || len(s.runs) == 0 {
-		return dst, err
-	}
-	// Move every kept entry down over the ones dropped, in place, and end the dropped ones where
-	// the entry before them ends.
-	total := len(s.fields) + len(s.runs)
-	w := base + 1 + 2*total // where the next entry's bytes go
-	start := w
-	for i := range total {
-		end := base + (int(dst[base+1+2*i]) | int(dst[base+2+2*i])<<8)
-		if i >= len(s.fields) || s.kept[i] {
-			w += copy(dst[w:], dst[start:end])
-		}
-		start = end
-		e := w - base
-		dst[base+1+2*i], dst[base+2+2*i] = byte(e), byte(e>>8)
-	}
-	return dst[:w], nil
-}
-
-// packedField returns field i of p, a Values form being built whose fields up to i are set.
-func packedField(p []byte, i int) []byte {
-	n := int(p[0])
-	start := 1 + 2*n
-	if i > 0 {
-		start = int(p[2*i-1]) | int(p[2*i])<<8
-	}
-	return p[start : int(p[2*i+1])|int(p[2*i+2])<<8]
-}
-
-// setEnd records that entry i of the Values form at dst[base:] ends where dst does.
-func setEnd(dst []byte, base, i int, field string) error {
-	end := len(dst) - base
-	if end > 0xffff {
-		return &ValueError{Field: field, Err: ErrInvalidField,
-			Detail: fmt.Sprintf("field %q: the fields the templates use are longer than 64 KiB together", field)}
-	}
-	dst[base+1+2*i], dst[base+2+2*i] = byte(end), byte(end>>8)
-	return nil
-}
-
-func (s *Schema) appendPlain(dst []byte, base int, value []byte) ([]byte, error) {
+func (s *Schema) appendPlain(dst, value []byte, fields *[MaxFields]span) ([]byte, error) {
 	for i, f := range s.fields {
 		if i == s.group {
 			continue
@@ -307,8 +314,8 @@ func (s *Schema) appendPlain(dst []byte, base int, value []byte) ([]byte, error)
 	if err := s.check(s.fields[s.group], view(value)); err != nil {
 		return dst, &ValueError{Err: ErrInvalidToken, Detail: "the value is {group}, and " + strings.TrimPrefix(err.Error(), ErrInvalidToken.Error()+": ")}
 	}
-	dst = append(dst, value...)
-	return dst, setEnd(dst, base, 0, group)
+	fields[s.group] = span{len(dst), len(dst) + len(value)}
+	return append(dst, value...), nil
 }
 
 // check reports why v cannot be used where the templates use f, or nil.
@@ -357,7 +364,7 @@ func view(b []byte) string {
 // span of a field's JSON value in the value being decoded; end 0 means not found.
 type jsonSpan struct{ start, end int }
 
-func (s *Schema) appendJSON(dst []byte, base int, value []byte) ([]byte, error) {
+func (s *Schema) appendJSON(dst, value []byte, fields *[MaxFields]span) ([]byte, error) {
 	if !json.Valid(value) {
 		return dst, &ValueError{Err: ErrInvalidValue, Detail: "the value starts with '{' but is not valid JSON: " + syntaxError(value)}
 	}
@@ -387,7 +394,7 @@ func (s *Schema) appendJSON(dst []byte, base int, value []byte) ([]byte, error) 
 		sp := found[idx]
 		raw := value[sp.start:sp.end]
 		if sp.end == 0 || string(raw) == "null" {
-			return dst[:base], &ValueError{Field: f.Name, Err: ErrMissingField,
+			return dst, &ValueError{Field: f.Name, Err: ErrMissingField,
 				Detail: fmt.Sprintf("the value has no field %q, %s", f.Name, f.which())}
 		}
 		start := len(dst)
@@ -400,7 +407,7 @@ func (s *Schema) appendJSON(dst []byte, base int, value []byte) ([]byte, error) 
 			}
 			var v string
 			if err := json.Unmarshal(raw, &v); err != nil {
-				return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidValue, Detail: fmt.Sprintf("field %q: %v", f.Name, err)}
+				return dst, &ValueError{Field: f.Name, Err: ErrInvalidValue, Detail: fmt.Sprintf("field %q: %v", f.Name, err)}
 			}
 			dst = append(dst, v...)
 		case c == 't' || c == 'f':
@@ -425,12 +432,10 @@ func (s *Schema) appendJSON(dst []byte, base int, value []byte) ([]byte, error) 
 			}
 		}
 		if bad != "" {
-			return dst[:base], &ValueError{Field: f.Name, Err: ErrInvalidField,
+			return dst, &ValueError{Field: f.Name, Err: ErrInvalidField,
 				Detail: fmt.Sprintf("field %q, %s: %s", f.Name, f.which(), bad)}
 		}
-		if err := setEnd(dst, base, idx, f.Name); err != nil {
-			return dst[:base], err
-		}
+		fields[idx] = span{start, len(dst)}
 	}
 	return dst, nil
 }
