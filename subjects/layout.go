@@ -52,7 +52,7 @@ type Layout struct {
 	outFast     []op    // Out, a step per part of it the value renders alone (see Schema.runs)
 	// fastLen is the number of entries of the Values the schema decodes, which hold the rendered
 	// parts the fast steps use; -1 when there are none (then the two are the same).
-	fastLen int
+	fastLen     int
 	unmappedOps []op
 	headers     []*header // the output headers (see [Layout.WithHeaders])
 	schema      *Schema
