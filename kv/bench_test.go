@@ -155,12 +155,14 @@ func benchLayout(b testing.TB) *subjects.Layout {
 	return l
 }
 
-// BenchmarkLookupRender is what the hot path does per message to map it: parse the INCOMING
-// subject, look the device up, render the output subject and the output headers. "group" is
-// today's deployment (a group as the value, the default templates); "three-fields" routes on
-// region, tenant and group of a JSON value and carries the tenant in a header. On a table of 1M
-// devices, taken in a shuffled order as messages of many devices come (memory-bound: a cache
-// miss or two per lookup), and of 10k devices (in the caches: the CPU cost alone).
+// BenchmarkLookupRender is what the hot path does per message to map it, as the lanes do it:
+// parse the INCOMING subject, look the device up (Table.Mapping), render the output subject and
+// the output headers. "group" is today's deployment (a group as the value, the default
+// templates); "three-fields" routes on region, tenant and group of a JSON value and carries the
+// tenant in a header. On a table of 1M devices, taken in a shuffled order as messages of many
+// devices come (memory-bound: a cache miss or two per lookup), and of 10k devices (in the
+// caches: the CPU cost alone). kv/testdata/lookup_render_before_issue23.go.txt is the same loop
+// for the code before values could be JSON (see BENCHMARKS.md).
 //
 //	go test -run '^$' -bench LookupRender -count 10 ./kv/
 func BenchmarkLookupRender(b *testing.B) {
@@ -169,59 +171,61 @@ func BenchmarkLookupRender(b *testing.B) {
 		b.Fatal(err)
 	}
 	for _, n := range []int{benchDevices, 10_000} {
-		ids := deviceIDs(n)
-		stored := make([]string, len(ids))
-		order := make([]int, len(ids))
-		for i, id := range ids {
-			stored[i] = fmt.Sprintf("incoming.%d.%s.temp", subjects.Partition(id, 16), id)
-			order[i] = i
-		}
-		rand.New(rand.NewPCG(1, 2)).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
-		for _, c := range []struct {
-			name  string
-			lay   *subjects.Layout
-			value func(i int) string
-		}{
-			{"group", def, func(i int) string { return fmt.Sprintf("group-%d", i%100) }},
-			{"three-fields", benchLayout(b), func(i int) string {
-				return fmt.Sprintf(`{"group":"group-%d","region":"region-%d","tenant":"tenant-%d"}`, i%100, i%5, i%20)
-			}},
-		} {
-			tb := kv.NewUnbound(kv.Config{Schema: c.lay.Schema()})
+		b.Run(fmt.Sprintf("devices=%d", n), func(b *testing.B) {
+			ids := deviceIDs(n)
+			stored := make([]string, len(ids))
+			order := make([]int, len(ids))
 			for i, id := range ids {
-				tb.PutForTest(id, c.value(i), uint64(i+1))
+				stored[i] = fmt.Sprintf("incoming.%d.%s.temp", subjects.Partition(id, 16), id)
+				order[i] = i
 			}
-			b.Run(fmt.Sprintf("%s/devices=%d", c.name, n), func(b *testing.B) {
-				var f subjects.Fields
-				buf := make([]byte, 0, 256)
-				var hdr [subjects.MaxHeaders]string
-				b.ReportAllocs()
-				i := 0
-				for b.Loop() {
-					if err := c.lay.Parse(stored[order[i]], &f); err != nil {
-						b.Fatal(err)
+			rand.New(rand.NewPCG(1, 2)).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			for _, c := range []struct {
+				name  string
+				lay   *subjects.Layout
+				value func(i int) string
+			}{
+				{"group", def, func(i int) string { return fmt.Sprintf("group-%d", i%100) }},
+				{"three-fields", benchLayout(b), func(i int) string {
+					return fmt.Sprintf(`{"group":"group-%d","region":"region-%d","tenant":"tenant-%d"}`, i%100, i%5, i%20)
+				}},
+			} {
+				b.Run(c.name, func(b *testing.B) {
+					tb := kv.NewUnbound(kv.Config{Schema: c.lay.Schema()})
+					for i, id := range ids {
+						tb.PutForTest(id, c.value(i), uint64(i+1))
 					}
-					e := tb.Mapping(f.Device()) // what the lanes and direct mode call
-					if !e.Mapped() {
-						b.Fatalf("Mapping(%s) = %+v", f.Device(), e)
-					}
-					buf = c.lay.AppendOut(buf[:0], &f, e.Values)
-					for h := range c.lay.NumHeaders() { // as the lanes do
-						if v, ok := c.lay.HeaderString(h, e.Values); ok {
-							hdr[h] = v
-							continue
+					var f subjects.Fields
+					buf := make([]byte, 0, 256)
+					var hdr [subjects.MaxHeaders]string
+					b.ReportAllocs()
+					i := 0
+					for b.Loop() {
+						if err := c.lay.Parse(stored[order[i]], &f); err != nil {
+							b.Fatal(err)
 						}
-						from := len(buf)
-						buf = c.lay.AppendHeader(buf, h, &f, e.Values)
-						hdr[h] = unsafe.String(&buf[from], len(buf)-from)
+						e := tb.Mapping(f.Device()) // what the lanes and direct mode call
+						if !e.Mapped() {
+							b.Fatalf("Mapping(%s) = %+v", f.Device(), e)
+						}
+						buf = c.lay.AppendOut(buf[:0], &f, e.Values)
+						for h := range c.lay.NumHeaders() { // as the lanes do
+							if v, ok := c.lay.HeaderString(h, e.Values); ok {
+								hdr[h] = v
+								continue
+							}
+							from := len(buf)
+							buf = c.lay.AppendHeader(buf, h, &f, e.Values)
+							hdr[h] = unsafe.String(&buf[from], len(buf)-from)
+						}
+						if i++; i == len(order) {
+							i = 0
+						}
 					}
-					if i++; i == len(order) {
-						i = 0
-					}
-				}
-				runtime.KeepAlive(hdr)
-			})
-		}
+					runtime.KeepAlive(hdr)
+				})
+			}
+		})
 	}
 }
 
