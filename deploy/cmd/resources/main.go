@@ -314,6 +314,5 @@ func loadavg() string {
 	return strings.Join(strings.Fields(string(b))[:3], " ")
 }
 
-
 func round(f float64) float64  { return float64(int64(f + 0.5)) }
 func round2(f float64) float64 { return float64(int64(f*100+0.5)) / 100 }
