@@ -2,10 +2,13 @@ package mapper
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -21,6 +24,7 @@ import (
 	"github.com/kvmapper/kvmapper/metrics"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/wire"
 
 	"github.com/kvmapper/kvmapper/subjects"
 )
@@ -51,7 +55,7 @@ type Config struct {
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
 	Version string
-	// Direct tunes direct mode (Setup.Mode is setup.ModeDirect), which runs in place of the lanes;
+	// Direct tunes direct mode (Setup.Mode is wire.ModeDirect), which runs in place of the lanes;
 	// its Layout is the lanes' and its Receive, Replica, HandoffPrefix, Revision, CatchUp, Alone
 	// and Logger are set from the rest.
 	Direct direct.Config
@@ -127,7 +131,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
-	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Lanes.Park.New && cfg.Setup.Mode == wire.ModeDirect {
 		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
 	}
 	if cfg.Setup.StreamLayout == subjects.AutoLayout {
@@ -135,7 +139,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: Setup.StreamLayout is auto: resolve it with setup.ChooseLayout first", ErrInvalidConfig)
 	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
-		cfg.Setup.Park = &setup.ParkConfig{}
+		cfg.Setup.Park = &setup.ParkedStream{}
 	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
@@ -178,22 +182,22 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// there is no INCOMING.
 	names := cfg.Setup.Names.WithDefaults()
 	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
-	if cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
 	lookup := func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return "", 0, lanes.ReasonNoMapping
+			return "", 0, wire.ReasonNoMapping
 		}
 		if e.Invalid {
-			return "", e.Revision, lanes.ReasonInvalidGroup
+			return "", e.Revision, wire.ReasonInvalidGroup
 		}
 		return e.Group, e.Revision, ""
 	}
 	var pool engine
 	fenced := lanes.ErrFenced
-	if cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Setup.Mode == wire.ModeDirect {
 		if r.direct, err = newDirect(js.Conn(), lookup, table, control, cfg); err != nil {
 			return nil, invalid(err, direct.ErrInvalidConfig)
 		}
@@ -325,19 +329,19 @@ func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyV
 		pc.Stream = names.Parked
 		return nil
 	}
-	_, err := control.Get(ctx, subjects.ParkedKey)
+	_, err := control.Get(ctx, wire.ParkedKey)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
 		return nil
 	case err != nil:
-		return fmt.Errorf("reading %s in bucket %s: %w", subjects.ParkedKey, control.Bucket(), err)
+		return fmt.Errorf("reading %s in bucket %s: %w", wire.ParkedKey, control.Bucket(), err)
 	}
 	s, err := js.Stream(ctx, names.Parked)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		return nil
 	case err != nil:
-		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, subjects.ParkedKey, control.Bucket(), err)
+		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, wire.ParkedKey, control.Bucket(), err)
 	}
 	pc.Stream = names.Parked
 	if n := s.CachedInfo().State.Msgs; n > 0 {
@@ -366,7 +370,7 @@ func (r *Replica) newObservers(cfg Config) error {
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica:         r.id,
 		Version:         r.version,
-		UnmappedReasons: lanes.Reasons,
+		UnmappedReasons: wire.Reasons,
 		Ready:           r.readyErr,
 		Logger:          r.log.With().Str("component", "metrics").Logger(),
 	})
@@ -387,11 +391,11 @@ func (r *Replica) newObservers(cfg Config) error {
 		return nil
 	}
 	resume := func(ctx context.Context, p int) (uint64, error) {
-		e, err := r.control.Get(ctx, subjects.CheckpointKey(p))
+		e, err := r.control.Get(ctx, wire.CheckpointKey(p))
 		if err != nil {
 			return 0, err
 		}
-		cp, err := lanes.ParseCheckpoint(e.Value())
+		cp, err := wire.ParseCheckpoint(e.Value())
 		return cp.Seq, err
 	}
 	if r.direct != nil {
@@ -576,5 +580,40 @@ func (r *Replica) Owned() []int { return r.elector.Owned() }
 // partitions subscribed and forwarding (a lease alone does not say so).
 func (r *Replica) Serving() int { return len(r.pool.Partitions()) }
 
+// WaitServing waits until the replica serves n partitions ([Replica.Serving]), polling, and
+// reports whether it does; it gives up with false when ctx ends or timeout passes first.
+func (r *Replica) WaitServing(ctx context.Context, n int, timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for r.Serving() < n {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+		}
+	}
+	return true
+}
+
 // Lookup returns the device's entry in this replica's groups table, as its lanes see it.
 func (r *Replica) Lookup(device string) (kv.Entry, bool) { return r.table.Lookup(device) }
+
+// DefaultID is a replica id for a replica not given one: the host name, with every character an
+// id cannot hold replaced by '-', and a random suffix.
+func DefaultID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "kvmapper"
+	}
+	host = strings.Map(func(r rune) rune {
+		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		return '-'
+	}, host)
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return host + "-" + hex.EncodeToString(b[:])
+}

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // ErrNoMapping is wrapped by [Ensure]'s error in the [subjects.PartitionStreams] layout when the
@@ -38,6 +39,21 @@ In operator mode (accounts in JWTs), add it to the account's JWT and push it:
   nsc add mapping --account <ACCOUNT> --from %q --to %q
   nsc push --account <ACCOUNT>
 `, src, dest, src, dest)
+}
+
+// ServerMappings returns the account subject mappings (source → destination) c needs from the
+// server: the partitioning mapping ([MappingConfig]) for the partition streams and for direct
+// mode's default receive kind, none otherwise. A server kvmapper starts itself gets them before
+// it accepts a connection.
+func (c Config) ServerMappings() map[string]string {
+	if c.Mode == wire.ModeDirect {
+		if c.Receive != wire.ReceiveMapping {
+			return nil
+		}
+	} else if c.StreamLayout != subjects.PartitionStreams {
+		return nil
+	}
+	return map[string]string{c.Layout.MappingSource(): c.Layout.MappingDest()}
 }
 
 // ensurePartitionStreams creates or verifies the P partition streams, then probes that the
@@ -167,7 +183,7 @@ func probeDevices(partitions int) []string {
 	out := make([]string, partitions)
 	left := partitions
 	for i := 0; left > 0; i++ {
-		d := "kvmapper-probe-" + strconv.Itoa(i)
+		d := wire.ProbeDevicePrefix + strconv.Itoa(i)
 		if p := subjects.Partition(d, partitions); out[p] == "" {
 			out[p] = d
 			left--
