@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A replica counts in kvmapper_fenced_total, which the deploy kit's alert watches, each
@@ -58,7 +58,7 @@ func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 		t.Fatalf("r0 exports no kvmapper_partition_epoch:\n%s", body)
 	}
 	p, _ := strconv.Atoi(m[1])
-	if _, err := e.ctl.Put(context.Background(), subjects.LeaseKey(p), []byte("intruder")); err != nil {
+	if _, err := e.ctl.Put(context.Background(), wire.LeaseKey(p), []byte("intruder")); err != nil {
 		t.Fatalf("overwriting lease.%d: %v", p, err)
 	}
 	natstest.Eventually(t, 10*time.Second, func() error {
