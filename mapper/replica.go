@@ -111,13 +111,13 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	switch {
 	case ttl == 0:
 		ttl = election.LeaseTTLFor(replicas)
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).
 			Msg("lease TTL chosen for the control bucket's replicas (--lease-ttl sets it): a replica killed outright has its partitions taken over after about this")
 	case replicas > 1 && ttl < election.ReplicatedLeaseTTL:
-		log.Warn().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Dur("recommended", election.ReplicatedLeaseTTL).
+		log.Warn().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Int64("recommended_ms", election.ReplicatedLeaseTTL.Milliseconds()).
 			Msg("lease TTL below the election time of a replicated control bucket: the death of the NATS server leading it expires every lease, and every partition stops and moves")
 	default:
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Msg("lease TTL as configured")
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Msg("lease TTL as configured")
 	}
 	return ttl, nil
 }
