@@ -23,18 +23,8 @@ func benchCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "bench",
 		Usage: "measure kvmapper against the alternatives, in one run against one NATS server",
-		Description: "Runs, against the same server and data: throughput beside a server-side stream copy (the upper\n" +
-			"bound), a server-side subject transform, a careful hand-written mapper (durable consumer, async publish\n" +
-			"window, ack after PubAck), two relays (unfiltered ordered consumers into async publishes, or into\n" +
-			"fast-ingest batches: the ceiling) and a naive mapper (sync publish per message); end-to-end\n" +
-			"latency beside publishing straight into OUTGOING; how fast a group change takes effect; the groups\n" +
-			"table at 1M devices; and the gap when a replica process is killed. Ratios matter, not absolute figures.\n\n" +
-			"It starts its own NATS server as a child process unless --server is given, and uses only streams and\n" +
-			"buckets named BENCH_… and bench-… (it refuses a server holding others).\n\n" +
-			"Lists in --messages, --partitions, --replicas and --layout run the throughput bench once per\n" +
-			"combination and end with a table of kvmapper against each contender in every run.\n\n" +
-			"   Quick look:   kvmapper bench --messages 200000 --table-devices 200000 --duration 5s\n" +
-			"   Issue 10:     kvmapper bench --messages 100000,1000000 --partitions 16,64 --replicas 1,3 --layout single,streams",
+		Description: "Starts its own NATS server unless --server is given (docs/performance.md).\n" +
+			"Quick look:  kvmapper bench --messages 200000 --table-devices 200000 --duration 5s",
 		Flags: slices.Concat(in(catConnection,
 			&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Usage: "NATS server URL to measure against (default: start one as a child process)"},
 			&cli.StringFlag{Name: "data-dir", Usage: "JetStream data of the child server (default: a temporary directory, removed after)"},

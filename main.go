@@ -78,12 +78,10 @@ func commandName(args []string) string {
 func newApp(stdout, stderr io.Writer) *cli.App {
 	onUsage := func(_ *cli.Context, err error, _ bool) error { return usageError{err} }
 	app := &cli.App{
-		Name:    "kvmapper",
-		Usage:   "republish JetStream messages to subjects looked up in a NATS KV bucket",
-		Version: versionLine(),
-		Description: "Devices publish to incoming.{device}.{event}; kvmapper looks each device's group up in the\n" +
-			"device-groups KV bucket and republishes the unchanged message to outgoing.{group}.{device}.{event},\n" +
-			"in per-device order. Run it N times for automatic failover.",
+		Name:         "kvmapper",
+		Usage:        "republish JetStream messages to subjects looked up in a NATS KV bucket",
+		Version:      versionLine(),
+		Description:  "Run it N times for failover; README.md and docs/ in the repository tell the rest.",
 		Writer:       stdout,
 		ErrWriter:    stderr,
 		OnUsageError: onUsage,

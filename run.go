@@ -29,12 +29,8 @@ func runCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "run",
 		Usage: "run one replica of the mapper (start it N times for failover)",
-		Description: "Creates or verifies the streams and buckets, loads the groups table, takes its share of the\n" +
-			"partitions and republishes INCOMING to OUTGOING until SIGINT or SIGTERM, when it drains,\n" +
-			"writes final checkpoints and hands its partitions over. With --mode direct there is no INCOMING:\n" +
-			"each partition's owner republishes what devices publish as it arrives, with the device's reply\n" +
-			"subject, and on SIGTERM hands each partition to its next owner without losing an acknowledgement.\n\n" +
-			"   First run on a machine with only Go:  go run . run --embedded",
+		Description: "Drains and hands its partitions over on SIGINT or SIGTERM (docs/flags.md#commands).\n" +
+			"First run on a machine with only Go:  go run . run --embedded",
 		Flags: flags(connFlags(), in(catConnection,
 			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen"},
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server"},
@@ -65,13 +61,9 @@ func runCommand() *cli.Command {
 
 func setupCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "setup",
-		Usage: "create or verify the streams and buckets, and say what it did",
-		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
-			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.\n" +
-			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
-			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
-			"where every other command reads it.",
+		Name:        "setup",
+		Usage:       "create or verify the streams and buckets, and say what it did",
+		Description: "Idempotent; it never changes an existing stream or bucket (docs/flags.md#commands).",
 		Flags: flags(connFlags(), layoutFlags(), in(catNames, groupsHistoryFlag()), parkFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them"},
 		), logFlags()),

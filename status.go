@@ -16,17 +16,9 @@ import (
 
 func statusCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "status",
-		Usage: "show partitions (owner, epoch, checkpoint, lag, rate), replicas and the groups bucket",
-		Description: "Reads NATS only, so it works from any machine that reaches the servers: the control bucket\n" +
-			"(leases, members, checkpoints), INCOMING and the groups bucket, and asks each replica for its\n" +
-			"report on its status endpoint (the \"kvmapper\" NATS micro service). A partition's lag comes from\n" +
-			"its owner's report, else it is counted in INCOMING after the partition's checkpoint. The rate is\n" +
-			"the progress between two samples --rate-window apart (or between refreshes with --watch).\n" +
-			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING: it shows\n" +
-			"OUTGOING and UNMAPPED instead, and each partition's lag as its owner reports it.\n\n" +
-			"   kvmapper status --watch     refresh every --interval\n" +
-			"   kvmapper status --json      one JSON document (with --watch: one per line)",
+		Name:        "status",
+		Usage:       "show partitions (owner, epoch, checkpoint, lag, rate), replicas and the groups bucket",
+		Description: "Reads NATS only, so it works from any machine that reaches the servers (docs/observe.md).",
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of tables"},
 			&cli.BoolFlag{Name: "watch", Aliases: []string{"w"}, Usage: "refresh in place every --interval until interrupted"},
