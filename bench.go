@@ -3,16 +3,13 @@ package main
 import (
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/signal"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/mattn/go-isatty"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/bench"
@@ -59,107 +56,17 @@ func benchCommand() *cli.Command {
 	}
 }
 
-// list splits a comma-separated flag value.
-func list(c *cli.Context, name string) []string {
-	var out []string
-	for v := range strings.SplitSeq(c.String(name), ",") {
-		if v = strings.TrimSpace(v); v != "" {
-			out = append(out, v)
-		}
-	}
-	return out
-}
-
-// intList reads a comma-separated list of positive integers.
-func intList(c *cli.Context, name string) ([]int, error) {
-	var out []int
-	for _, v := range list(c, name) {
-		n, err := strconv.Atoi(strings.ReplaceAll(v, "_", ""))
-		if err != nil || n < 1 {
-			return nil, usagef("invalid value %q for flag --%s: want positive integers, comma-separated", v, name)
-		}
-		out = append(out, n)
-	}
-	if len(out) == 0 {
-		return nil, usagef("flag --%s is empty", name)
-	}
-	return out, nil
-}
-
-func parseSweep(c *cli.Context) (bench.Sweep, error) {
-	var w bench.Sweep
-	var err error
-	if w.Messages, err = intList(c, "messages"); err != nil {
-		return w, err
-	}
-	if w.Partitions, err = intList(c, "partitions"); err != nil {
-		return w, err
-	}
-	if w.Replicas, err = intList(c, "replicas"); err != nil {
-		return w, err
-	}
-	for _, l := range list(c, "layout") {
-		sl, err := subjects.ParseStreamLayout(l)
-		if err != nil {
-			return w, usagef("invalid value %q for flag --layout: use %s or %s", l, subjects.SingleStream, subjects.PartitionStreams)
-		}
-		w.Layouts = append(w.Layouts, sl)
-	}
-	if len(w.Layouts) == 0 {
-		return w, usagef("flag --layout is empty")
-	}
-	return w, nil
-}
-
 func benchAction(c *cli.Context) error {
 	log, err := logger(c, c.App.ErrWriter)
 	if err != nil {
 		return err
 	}
-	var only []bench.Kind
-	for _, k := range list(c, "only") {
-		only = append(only, bench.Kind(k)) // bench.Run refuses an unknown one
-	}
-	var contenders []bench.ContenderName
-	for _, k := range list(c, "contenders") {
-		name, ok := bench.ContenderByKey(k)
-		if !ok {
-			return usagef("invalid value %q for flag --contenders: choose among %s", k, strings.Join(bench.ContenderKeys(), ", "))
-		}
-		contenders = append(contenders, name)
-	}
-	profile, ok := bench.ContenderByKey(c.String("profile-contender"))
-	if !ok {
-		return usagef("invalid value %q for flag --profile-contender: choose among %s", c.String("profile-contender"), strings.Join(bench.ContenderKeys(), ", "))
-	}
-	w, err := parseSweep(c)
-	if err != nil {
-		return err
-	}
-	profiling := c.String("cpuprofile") != "" || c.String("memprofile") != "" || c.String("server-cpuprofile") != ""
-	if w.Runs() > 1 {
-		switch {
-		case len(only) > 1 || len(only) == 1 && only[0] != bench.Throughput:
-			return usagef("lists in --messages, --partitions, --replicas or --layout run the throughput bench only: drop --only or give --only throughput")
-		case profiling:
-			return usagef("profiles cover one run: give single values to --messages, --partitions, --replicas and --layout")
-		case c.String("server") != "" && (len(w.Partitions) > 1 || len(w.Layouts) > 1):
-			return usagef("lists in --partitions or --layout need the bench's own server (the streams layout's mapping names the partitions): drop --server")
-		}
-		only = []bench.Kind{bench.Throughput}
-	}
-	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	exe, err := os.Executable()
 	if err != nil {
 		return err
 	}
-
 	cfg := bench.Config{
 		URL:              c.String("server"),
-		Only:             only,
-		Contenders:       contenders,
-		Profile:          profile,
 		NaiveMessages:    c.Int("naive-messages"),
 		Devices:          c.Int("devices"),
 		Payload:          c.Int("payload"),
@@ -173,32 +80,21 @@ func benchAction(c *cli.Context) error {
 		Child:            bench.ReplicaCommand(exe),
 		Logger:           log,
 	}
-	if f, ok := c.App.ErrWriter.(*os.File); ok && isatty.IsTerminal(f.Fd()) {
-		cfg.Progress = f
-	}
-	for name, w := range map[string]*io.Writer{"cpuprofile": &cfg.CPUProfile, "memprofile": &cfg.MemProfile} {
-		if path := c.String(name); path != "" {
-			f, err := os.Create(path)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			*w = f
-			if name == "memprofile" {
-				b, err := os.Create(path + ".base")
-				if err != nil {
-					return err
-				}
-				defer b.Close()
-				cfg.MemProfileBase = b
-			}
-		}
-	}
-	if cfg.URL != "" && c.String("server-cpuprofile") != "" {
-		return usagef("--server-cpuprofile needs the bench's own server: drop --server")
-	}
-
 	srv := bench.ServerConfig{Dir: c.String("data-dir"), CPUProfile: c.String("server-cpuprofile")}
+	w, err := benchConfig(c, &cfg, srv)
+	if err != nil {
+		return usageError{err}
+	}
+	if isTerminal(c.App.ErrWriter) {
+		cfg.Progress = c.App.ErrWriter
+	}
+	closeProfiles, err := cfg.CreateProfiles(c.String("cpuprofile"), c.String("memprofile"))
+	if err != nil {
+		return err
+	}
+	defer closeProfiles()
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	reps, err := bench.RunSweep(ctx, cfg, w, exe, srv, func(rep *bench.Report) error {
 		if c.Bool("json") {
 			return nil
@@ -222,4 +118,28 @@ func benchAction(c *cli.Context) error {
 		return usageError{err}
 	}
 	return err
+}
+
+// benchConfig maps the list flags of bench onto cfg and returns the sweep they ask for.
+func benchConfig(c *cli.Context, cfg *bench.Config, srv bench.ServerConfig) (bench.Sweep, error) {
+	for _, k := range bench.List(c.String("only")) {
+		cfg.Only = append(cfg.Only, bench.Kind(k)) // bench.Run refuses an unknown one
+	}
+	for _, k := range bench.List(c.String("contenders")) {
+		name, err := bench.ParseContender("contenders", k)
+		if err != nil {
+			return bench.Sweep{}, err
+		}
+		cfg.Contenders = append(cfg.Contenders, name)
+	}
+	var err error
+	if cfg.Profile, err = bench.ParseContender("profile-contender", c.String("profile-contender")); err != nil {
+		return bench.Sweep{}, err
+	}
+	w, err := bench.ParseSweep(c.String("messages"), c.String("partitions"), c.String("replicas"), c.String("layout"))
+	if err != nil {
+		return w, err
+	}
+	profiling := c.String("cpuprofile") != "" || c.String("memprofile") != "" || srv.CPUProfile != ""
+	return w, w.Fit(cfg, srv, profiling)
 }
