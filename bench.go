@@ -49,9 +49,7 @@ func benchCommand() *cli.Command {
 			&cli.StringFlag{Name: "cpuprofile", Usage: "write a CPU profile of the kvmapper throughput phase to this file"},
 			&cli.StringFlag{Name: "memprofile", Usage: "write the kvmapper throughput phase's allocations to this file (and FILE.base)"},
 			&cli.StringFlag{Name: "server-cpuprofile", Usage: "write a CPU profile of the child server during the kvmapper throughput phase to this file"},
-			&cli.StringFlag{Name: "log-level", Value: "warn", Usage: "debug, info, warn or error"},
-			&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)"},
-		)),
+		), logFlags("warn")),
 		Action: benchAction,
 	}
 }

@@ -89,9 +89,10 @@ func parkFlags() []cli.Flag {
 	)...)
 }
 
-func logFlags() []cli.Flag {
+// logFlags are --log-level, of default level, and --log-format.
+func logFlags(level string) []cli.Flag {
 	return in(catBehaviour,
-		&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error"},
+		&cli.StringFlag{Name: "log-level", Value: level, Usage: "debug, info, warn or error"},
 		&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)"},
 	)
 }

@@ -42,7 +42,7 @@ func replayCommand() *cli.Command {
 		), in(catLimits,
 			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)"},
 			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: replayAction,
 	}
 }

@@ -54,7 +54,7 @@ func runCommand() *cli.Command {
 			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together"},
 			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together"},
 			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: runAction,
 	}
 }
@@ -66,7 +66,7 @@ func setupCommand() *cli.Command {
 		Description: "Idempotent; it never changes an existing stream or bucket (docs/flags.md#commands).",
 		Flags: flags(connFlags(), layoutFlags(), in(catNames, groupsHistoryFlag()), parkFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {

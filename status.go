@@ -25,7 +25,7 @@ func statusCommand() *cli.Command {
 			&cli.DurationFlag{Name: "interval", Value: 2 * time.Second, Usage: "refresh interval of --watch"},
 			&cli.DurationFlag{Name: "rate-window", Value: time.Second, Usage: "without --watch: time between the two samples the rate is taken from (0: no rate)"},
 			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report and each stream's info"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: statusAction,
 	}
 }

@@ -25,7 +25,7 @@ func unparkCommand() *cli.Command {
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them"},
 			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: unparkAction,
 	}
 }

@@ -24,7 +24,7 @@ func verifyCommand() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON"},
 			&cli.DurationFlag{Name: "wait", Usage: "when messages are missing, keep reading the outputs this long for them to arrive"},
 			&cli.IntFlag{Name: "max-findings", Value: 20, Usage: "examples shown per kind of problem"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: verifyAction,
 	}
 }
