@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -25,7 +25,7 @@ import (
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-func runCommand() *cli.Command {
+func runCommand(version string) *cli.Command {
 	return &cli.Command{
 		Name:  "run",
 		Usage: "run one replica of the mapper (start it N times for failover)",
@@ -55,7 +55,7 @@ func runCommand() *cli.Command {
 			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together"},
 			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)"},
 		), logFlags("info")),
-		Action: runAction,
+		Action: func(c *cli.Context) error { return runAction(c, version) },
 	}
 }
 
@@ -87,7 +87,8 @@ func setupCommand() *cli.Command {
 	}
 }
 
-func runAction(c *cli.Context) error {
+// runAction runs one replica that reports version.
+func runAction(c *cli.Context, version string) error {
 	cm, err := parseCommon(c)
 	if err != nil {
 		return err
