@@ -214,6 +214,25 @@ func (e *Elector) stale() bool {
 	return false
 }
 
+// ownGap is the longest gap between two of this replica's own writes seen on the watch that
+// still counts as one run of writable time (see [Config.JudgedExpiry]).
+func (e *Elector) ownGap() time.Duration { return 3 * e.cfg.RenewInterval }
+
+// judged reports whether a key last written at h (a lease, a member) has been silent for
+// JudgedExpiry of writable time: its owner is taken for dead.
+func (e *Elector) judged(own writable, h heard) bool {
+	return e.cfg.JudgedExpiry > 0 && own.silentFor(h) >= e.cfg.JudgedExpiry
+}
+
+// judgeable returns when a key last written at h could be judged dead if this replica's own
+// writes go on being heard, and zero without JudgedExpiry or before any own write is heard.
+func (e *Elector) judgeable(own writable, h heard) time.Time {
+	if e.cfg.JudgedExpiry <= 0 {
+		return time.Time{}
+	}
+	return own.judgeableAt(h, e.cfg.JudgedExpiry)
+}
+
 // kickLoop wakes the loop without blocking.
 func (e *Elector) kickLoop() {
 	select {
@@ -227,38 +246,53 @@ func (e *Elector) kickLoop() {
 // claims any partition unowned longer than Grace, and tries again the claims whose answer was
 // lost. It returns when it next needs to run (zero if only events matter).
 func (e *Elector) reconcile(ctx context.Context) time.Time {
-	ready, live, slots := e.view.snapshot()
+	ready, live, slots, own := e.view.snapshot()
 	if !ready {
 		return time.Time{}
 	}
+	now := time.Now()
+	var next time.Time
+	later := func(t time.Time) {
+		if !t.IsZero() && (next.IsZero() || t.Before(next)) {
+			next = t
+		}
+	}
 	me := e.cfg.ReplicaID
-	live[me] = struct{}{}
-	members := make([]string, 0, len(live))
-	for m := range live {
+	members := make([]string, 0, len(live)+1)
+	members = append(members, me)
+	for m, h := range live {
+		if m == me {
+			continue
+		}
+		if e.judged(own, h) {
+			continue // left out of the quotas: it has been silent for JudgedExpiry
+		}
+		later(e.judgeable(own, h))
 		members = append(members, m)
 	}
 	slices.Sort(members)
 	// The holders, not the watch, say what this replica owns: the watch lags behind claims,
-	// and counting a fresh claim as free would make Plan claim past the quota.
+	// and counting a fresh claim as free would make Plan claim past the quota. A lease judged
+	// dead counts as free, since when it was judged; claiming it writes over its last revision.
 	owners := make([]string, len(slots))
 	for p, s := range slots {
 		owners[p] = s.owner
-		if s.owner == me {
+		h := heard{seen: s.seen, stored: s.stored}
+		switch {
+		case s.owner == me:
 			owners[p] = inTransit
+		case s.owner == "":
+		case e.judged(own, h):
+			owners[p] = ""
+			slots[p].freeSince = e.judgeable(own, h)
+		default:
+			later(e.judgeable(own, h))
 		}
 	}
 	for p := range e.holders {
 		owners[p] = me
 	}
 	claims, releases := Plan(me, members, owners)
-
-	now := time.Now()
-	var next time.Time
-	later := func(t time.Time) {
-		if next.IsZero() || t.Before(next) {
-			next = t
-		}
-	}
 
 	// Partitions already being handed over count towards the excess, whichever they are. A
 	// partition claimed past Grace is kept for a while rather than swapped for another, so
@@ -413,7 +447,13 @@ func (e *Elector) heartbeat(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			cctx, cancel := context.WithTimeout(ctx, e.cfg.MemberTTL-e.cfg.RenewInterval)
+			timeout := e.cfg.MemberTTL - e.cfg.RenewInterval
+			if e.cfg.JudgedExpiry > 0 {
+				// The others judge this replica by its heartbeats: one stuck waiting for a dead
+				// leader's answer would leave it silent after an election.
+				timeout = e.cfg.RenewInterval
+			}
+			cctx, cancel := context.WithTimeout(ctx, timeout)
 			if err := e.putMember(cctx); err != nil && ctx.Err() == nil {
 				e.log.Debug().Err(err).Msg("member heartbeat failed")
 			}

@@ -229,7 +229,14 @@ func (h *holder) renew() error {
 // of the TTL when that is longer. A long TTL leaves the time to wait for a server that answers
 // slowly (a replicated bucket under load, or just after electing its leader), instead of
 // sending renewal after renewal that the server refuses while the first is still in process.
+//
+// With JudgedExpiry it is one renew interval: the others take a lease over after JudgedExpiry of
+// writable time without a renewal, and after an election the first renewal must not wait out an
+// answer that a dead leader will never send.
 func renewalTimeout(cfg Config) time.Duration {
+	if cfg.JudgedExpiry > 0 {
+		return cfg.RenewInterval
+	}
 	return max(cfg.RenewInterval, cfg.LeaseTTL/5)
 }
 
