@@ -75,7 +75,7 @@ func later(a, b time.Time) time.Time {
 // it; the Elector's loop reads copies.
 type view struct {
 	mu      sync.Mutex
-	ready   bool // the watch has delivered its initial values
+	ready   bool             // the watch has delivered its initial values
 	members map[string]heard // the live members, and when each last wrote its key
 	slots   []slot
 	own     writable // this replica's own writes, as the watch showed them
