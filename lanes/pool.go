@@ -29,6 +29,8 @@ type Assignment struct {
 	// Valid reports whether the lease still holds by the owner's own clock. The lane checks it
 	// before every publish and stops when it turns false. nil means the lease never runs out.
 	Valid func() bool
+	// Owner is the replica id that holds the lease, written in the lane's fence records.
+	Owner string
 }
 
 // Config tunes a [Pool]. Zero fields mean the defaults given.
@@ -92,6 +94,10 @@ type Config struct {
 	// deleted and created again even when nothing is delivered from it (one request per pool
 	// per interval). Default 2s.
 	IncarnationCheck time.Duration
+	// Fences are the output streams in which a lane writes its partition's fence record
+	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
+	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
+	Fences []string
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Park holds devices without a mapping in the PARKED stream until they get one (see
@@ -216,8 +222,9 @@ type Pool struct {
 	lanesMu sync.Mutex
 	lanes   map[*lane]struct{}
 
-	incMu sync.Mutex // serialises the reads of the incarnations; guards incs
-	incs  map[string]incarnation
+	incMu   sync.Mutex // serialises the reads of the incarnations; guards incs and control
+	incs    map[string]incarnation
+	control string // the control bucket's incarnation, once read (see outfence.go)
 
 	warns ratelog.Limiter // one line a second per kind of problem
 }

@@ -151,6 +151,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
+	if cfg.Mode == wire.ModeStream {
+		steps = append(steps, func() (string, error) { return ensureFences(ctx, js, cfg) })
+	}
 	if cfg.BalanceLeaders && cfg.Mode == wire.ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
 		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
 	}
