@@ -33,7 +33,8 @@ const inTransit = "?"
 // return (up to ReleaseTimeout) before deleting the lease, so Work can drain in-flight work and
 // write its final checkpoint. A Work that returns while its ctx is alive gives the partition up:
 // the lease is released, a non-nil error is logged, and this replica reclaims the partition only
-// after a backoff. Work runs on its own goroutine, one per owned partition; the partition is not
+// after a backoff; unless the error wraps [ErrLeaseLost] (the work found a newer owner's fence),
+// which ends the lease as a lost one: nothing is deleted. Work runs on its own goroutine, one per owned partition; the partition is not
 // claimed again by this replica until Work has returned.
 type Work func(ctx context.Context, l *Lease) error
 

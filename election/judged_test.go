@@ -205,3 +205,39 @@ func TestJudgedExpiryWaitsForWritableTime(t *testing.T) {
 		}
 	}
 }
+
+// TestWorkFencedIsALostLease: a Work that returns an error wrapping ErrLeaseLost (it found a
+// newer owner's fence on its output) ends the lease as lost: the lease key is not deleted, which
+// would be the newer owner's, and no failure is logged as the work's.
+func TestWorkFencedIsALostLease(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	kv := newBucket(t, js)
+	fenced := make(chan struct{})
+	var once sync.Once
+	r := startReplica(t, srv, "a", 1, func(ctx context.Context, l *election.Lease) error {
+		first := false
+		once.Do(func() { first = true })
+		if !first {
+			<-ctx.Done()
+			return nil
+		}
+		close(fenced)
+		return fmt.Errorf("lanes: fenced: %w", election.ErrLeaseLost)
+	})
+	select {
+	case <-fenced:
+	case <-time.After(10 * time.Second):
+		t.Fatal("partition 0 not claimed within 10s")
+	}
+	// Once the holder is gone, the key is still there (until its TTL of 1s runs out): the holder
+	// did not delete it.
+	natstest.Eventually(t, 5*time.Second, ownsCount(r, 0, 0))
+	e, err := kv.Get(context.Background(), "lease.0")
+	if err != nil {
+		t.Fatalf("Get(lease.0) right after the fenced Work returned: %v, want the lease still there", err)
+	}
+	if string(e.Value()) != "a" {
+		t.Errorf("lease.0 = %q, want a's", e.Value())
+	}
+}

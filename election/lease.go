@@ -170,6 +170,11 @@ func (h *holder) run(parent context.Context) exit {
 				}
 				h.delete()
 				return exit{p: l.Partition, kind: exitReleased}
+			case errors.Is(err, ErrLeaseLost):
+				// The work found itself fenced by a newer owner (its output refused it): the
+				// lease is that owner's now, and not this holder's to delete.
+				lose("work fenced by a newer owner", err)
+				return exit{p: l.Partition, kind: exitLost}
 			default:
 				cancel(ErrReleased)
 				log.Error().Err(err).Msg("work returned while owning the partition")
