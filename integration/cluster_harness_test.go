@@ -392,8 +392,8 @@ func (e *clusterEnv) flows(n uint64) {
 	}
 }
 
-// count returns how many messages stream holds, 0 while it cannot say.
-func (e *clusterEnv) count(stream string) uint64 {
+// total returns how many messages stream holds, fence records included, 0 while it cannot say.
+func (e *clusterEnv) total(stream string) uint64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	s, err := e.admin.Stream(ctx, stream)
@@ -405,6 +405,26 @@ func (e *clusterEnv) count(stream string) uint64 {
 		return 0
 	}
 	return info.State.Msgs
+}
+
+// count returns how many messages stream holds, its partitions' fence records left out
+// (docs/design-fencing.md), 0 while it cannot say.
+func (e *clusterEnv) count(stream string) uint64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := e.admin.Stream(ctx, stream)
+	if err != nil {
+		return 0
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subjects.FenceFilter(stream)))
+	if err != nil {
+		return 0
+	}
+	n := info.State.Msgs
+	for _, k := range info.State.Subjects {
+		n -= k
+	}
+	return n
 }
 
 // read returns every message stream holds now, in order. A read that fails (the cluster may
@@ -425,6 +445,7 @@ func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
 	if n == 0 {
 		return nil, nil
 	}
+	records := int(e.total(stream)) - n
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cons, err := e.admin.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
@@ -432,13 +453,16 @@ func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
 		return nil, fmt.Errorf("reading %s: %w", stream, err)
 	}
 	out := make([]jetstream.Msg, 0, n)
-	for len(out) < n {
-		b, err := cons.Fetch(min(n-len(out), 10_000), jetstream.FetchMaxWait(5*time.Second))
+	for fetched := 0; len(out) < n; {
+		b, err := cons.Fetch(min(max(n+records-fetched, 1), 10_000), jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
 			return nil, fmt.Errorf("reading %s: %w", stream, err)
 		}
 		for m := range b.Messages() {
-			out = append(out, m)
+			fetched++
+			if !strings.HasPrefix(m.Subject(), subjects.FencePrefix+".") {
+				out = append(out, m)
+			}
 		}
 		if b.Error() != nil && !errors.Is(b.Error(), nats.ErrTimeout) {
 			return nil, fmt.Errorf("reading %s: %w", stream, b.Error())

@@ -169,3 +169,10 @@ func (p *Pool) Fences(partition int) []OutputFence {
 	}
 	return nil
 }
+
+// WritesChecked reports whether every write of the pool's lanes to a fenced output stream
+// carries the check of its lane's fence (docs/design-fencing.md, "Every write"), so that a
+// stream refuses a deposed owner's writes: only then may owners be judged dead before their
+// leases expire. It is false while the lanes publish one message at a time, unchecked: the
+// ordered batch writer (issue 19) checks them.
+func (p *Pool) WritesChecked() bool { return false }
