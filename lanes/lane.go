@@ -123,6 +123,9 @@ type lane struct {
 
 	park *parking // its parked devices (see park.go); nil when parking is off
 
+	// deletes are the deletions of the consumers the reader is done with, in the background.
+	deletes sync.WaitGroup
+
 	// fences are the lane's fences in its output streams, by stream name, written before the
 	// lane started publishing (see outfence.go); nil when none is fenced.
 	fences map[string]OutputFence
@@ -215,6 +218,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer func() {
 		stopReading()
 		wg.Wait()
+		l.deletes.Wait()
 	}()
 
 	tick := time.NewTicker(l.p.cfg.CheckpointInterval)

@@ -94,6 +94,10 @@ type Config struct {
 	// deleted and created again even when nothing is delivered from it (one request per pool
 	// per interval). Default 2s.
 	IncarnationCheck time.Duration
+	// Outgoing and Unmapped name the output streams, whose leader changes the lanes follow (see
+	// leaders.go); empty: they are not followed, and a publish a stepping-down leader dropped is
+	// resent after StallTimeout.
+	Outgoing, Unmapped string
 	// Fences are the output streams in which a lane writes its partition's fence record
 	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
 	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
@@ -226,6 +230,10 @@ type Pool struct {
 	incs    map[string]incarnation
 	control string // the control bucket's incarnation, once read (see outfence.go)
 
+	leaders leaders // when each stream's latest leader was announced (see leaders.go)
+	stopMu  sync.Mutex
+	stops   map[string]time.Time // servers that said they are shutting down, and when
+
 	warns ratelog.Limiter // one line a second per kind of problem
 }
 
@@ -307,6 +315,7 @@ func (p *Pool) Partitions() []PartitionStats {
 }
 
 func (p *Pool) register(l *lane) {
+	p.leaders.start(p.nc)
 	p.window.register()
 	p.lanesMu.Lock()
 	p.lanes[l] = struct{}{}
@@ -318,6 +327,7 @@ func (p *Pool) unregister(l *lane) {
 	delete(p.lanes, l)
 	p.lanesMu.Unlock()
 	p.window.unregister(&l.grant)
+	p.leaders.stop()
 }
 
 // DrainTimeout returns how long a stopping lane may wait for its in-flight publishes.

@@ -237,6 +237,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		lcfg.Outgoing, lcfg.Unmapped = names.Outgoing, names.Unmapped
 		// The output streams setup fenced: each lane writes its record there on takeover.
 		if lcfg.Fences, err = setup.ReadFences(ctx, control); err != nil {
 			return nil, err
