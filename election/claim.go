@@ -110,11 +110,13 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	e.publishOwned()
 	old := s.lastOwner
 	if c.over != 0 {
-		old = s.owner
+		old = s.owner // taken over from an owner judged dead
 	}
-	e.log.Info().Int("partition", p).Str("old_owner", old).Str("new_owner", e.cfg.ReplicaID).
-		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
+	unowned := time.Since(s.freeSince)
+	e.log.Debug().Int("partition", p).Str("old_owner", old).Str("new_owner", e.cfg.ReplicaID).
+		Uint64("epoch", rev).Int64("unowned_ms", ms(unowned)).Bool("planned", planned).
 		Bool("answer_lost", found).Bool("taken_over", c.over != 0).Msg("partition claimed")
+	e.claimed = append(e.claimed, claimed{p: p, from: old, unowned: unowned, answerLost: found, takenOver: c.over != 0})
 	e.goroutines.Go(func() { e.exits <- h.run(ctx) })
 }
 
