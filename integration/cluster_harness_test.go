@@ -476,6 +476,9 @@ type window struct {
 	name     string
 	from, to time.Time
 	maxGap   time.Duration // the largest gap allowed between consecutive OUTGOING messages; 0: none
+	// maxWait is the longest a message stored in the window may have waited between INCOMING and
+	// OUTGOING (the gap of its device); 0: no bound.
+	maxWait time.Duration
 	// elected, when set, is when the new leader of the stream whose leader was killed was seen:
 	// the end of the largest gap is when mapping resumed, and must come within maxResume of it.
 	elected   time.Time
@@ -639,6 +642,9 @@ func (e *clusterEnv) check(total int, windows []window) {
 		e.t.Log(line)
 		if w.maxGap > 0 && gap > w.maxGap {
 			e.t.Errorf("%s: a gap of %v between consecutive OUTGOING messages, want at most %v", w.name, gap, w.maxGap)
+		}
+		if w.maxWait > 0 && delay > w.maxWait {
+			e.t.Errorf("%s: a message waited %v between INCOMING and OUTGOING, want at most %v", w.name, delay, w.maxWait)
 		}
 	}
 }

@@ -61,9 +61,11 @@ func consumerOfAStoppedServer(t *testing.T, sl subjects.StreamLayout) {
 	names := subjects.Names{StreamLayout: sl}.WithDefaults()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: lay, Names: names, Replicas: 3}); err != nil {
-		t.Fatalf("setup.Ensure: %v", err)
-	}
+	// A cluster just started may answer a first read of a new bucket with "no responders".
+	natstest.Eventually(t, 30*time.Second, func() error {
+		_, err := setup.Ensure(ctx, js, setup.Config{Layout: lay, Names: names, Replicas: 3})
+		return err
+	})
 	ctl, err := js.KeyValue(ctx, names.Control)
 	if err != nil {
 		t.Fatal(err)
