@@ -20,15 +20,29 @@ import (
 // clock is the fence, it fences nothing and deletes the key: replicas then take a silent owner's
 // partitions over only when its leases expire on the server.
 func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
+	ctl, err := js.KeyValue(ctx, cfg.Control)
+	if err != nil {
+		return "", fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
+	}
 	streams := []string{cfg.Outgoing, cfg.Unmapped}
-	if _, err := js.Stream(ctx, cfg.Parked); err == nil {
+	// PARKED only where the deployment parks (a replica of one that never did may not read it).
+	if _, err := ctl.Get(ctx, wire.ParkedKey); err == nil || cfg.Park != nil {
 		streams = append(streams, cfg.Parked)
-	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return "", fmt.Errorf("setup: looking up stream %s: %w", cfg.Parked, err)
+	} else if !errors.Is(err, jetstream.ErrKeyNotFound) {
+		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ParkedKey, cfg.Control, err)
+	}
+	unfenced := func(why string) (string, error) {
+		if err := ctl.Delete(ctx, wire.FenceKey); err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+			return "", fmt.Errorf("setup: deleting %s in bucket %s: %w", wire.FenceKey, cfg.Control, err)
+		}
+		return why, nil
 	}
 	var fenced, updated []string
 	for _, name := range streams {
 		s, err := js.Stream(ctx, name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) && name == cfg.Parked {
+			return unfenced("") // PARKED recorded but gone: nothing to fence there
+		}
 		if err != nil {
 			return "", fmt.Errorf("setup: looking up stream %s: %w", name, err)
 		}
@@ -43,22 +57,17 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 			}
 			c.AllowAtomicPublish = true
 			if _, err := js.UpdateStream(ctx, c); err != nil {
-				return "", fmt.Errorf("setup: making stream %s capture its fence subjects %s and take atomic batches: %w (`nats stream edit %s --subjects %s`, with the subjects it has)",
-					name, filter, err, name, filter)
+				// Mapping goes on unfenced, with takeovers after the lease TTL.
+				return unfenced(fmt.Sprintf("warning: the output streams are not fenced: making stream %s capture its fence subjects %s and take atomic batches failed: %v "+
+					"(run kvmapper setup as a user allowed $JS.API.STREAM.UPDATE.%s, or `nats stream edit %s --subjects %s`, keeping the subjects it has, and allow atomic batches: allow_atomic)",
+					name, filter, err, name, name, filter))
 			}
 			updated = append(updated, name)
 		}
 		fenced = append(fenced, name)
 	}
-	ctl, err := js.KeyValue(ctx, cfg.Control)
-	if err != nil {
-		return "", fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
-	}
 	if len(fenced) < len(streams) {
-		if err := ctl.Delete(ctx, wire.FenceKey); err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
-			return "", fmt.Errorf("setup: deleting %s in bucket %s: %w", wire.FenceKey, cfg.Control, err)
-		}
-		return "", nil
+		return unfenced("")
 	}
 	want := strings.Join(fenced, ",")
 	if e, err := ctl.Get(ctx, wire.FenceKey); err != nil || string(e.Value()) != want {
@@ -72,6 +81,15 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		line += fmt.Sprintf(" (added to %s)", strings.Join(updated, ", "))
 	}
 	return line, nil
+}
+
+// fenceOutput makes a replicated output stream about to be created capture its fence subjects
+// and take atomic batches, so that a new deployment needs no update (see [ensureFences]).
+func fenceOutput(c *jetstream.StreamConfig) {
+	if c.Replicas > 1 {
+		c.Subjects = append(c.Subjects, subjects.FenceFilter(c.Name))
+		c.AllowAtomicPublish = true
+	}
 }
 
 // ReadFences returns the output streams the control bucket records as fenced ([wire.FenceKey]),

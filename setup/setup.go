@@ -230,6 +230,7 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		Duplicates:  cfg.DuplicateWindow,
 		Replicas:    cfg.Replicas,
 	}
+	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
 		return "", err
