@@ -85,6 +85,7 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		Duplicates:           cfg.DuplicateWindow,
 		Replicas:             cfg.Replicas,
 	}
+	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
 		return "", fmt.Errorf("%w (if another stream captures %s, name other parked subjects with --parked-prefix)", err, subject)

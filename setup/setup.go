@@ -148,6 +148,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
+	if cfg.Mode == wire.ModeStream {
+		steps = append(steps, func() (string, error) { return ensureFences(ctx, js, cfg) })
+	}
 	if cfg.BalanceLeaders && cfg.Mode == wire.ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
 		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
 	}
@@ -223,6 +226,7 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		Duplicates:  cfg.DuplicateWindow,
 		Replicas:    cfg.Replicas,
 	}
+	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
 		return "", err
