@@ -194,7 +194,7 @@ func (r *reader) handle(ctx context.Context, m jetstream.Msg) (sseq, pending uin
 	sseq, pending = ack.StreamSeq, ack.Pending
 	if strings.HasPrefix(m.Subject(), fencePrefix) {
 		// A partition owner's fence record (docs/design-fencing.md): no message of a device.
-		return sseq, pending
+		return sseq, pending, nil
 	}
 	r.read++
 	if r.a.cfg.Progress != nil {
