@@ -109,12 +109,15 @@ type Report struct {
 	// (KindMapping). MappingChecked counts those checked, MappingUnchecked those that could not
 	// be: no KVMapper-Revision (provenance off), or a revision the groups bucket no longer holds
 	// (its history keeps --groups-history values per key).
-	Mappings         uint64        `json:"mappings"`
-	MappingChecked   uint64        `json:"mapping_checked"`
-	MappingUnchecked uint64        `json:"mapping_unchecked"`
-	Foreign          uint64        `json:"foreign"`
-	Findings         []Finding     `json:"findings"`
-	Elapsed          time.Duration `json:"elapsed_ns"`
+	Mappings         uint64 `json:"mappings"`
+	MappingChecked   uint64 `json:"mapping_checked"`
+	MappingUnchecked uint64 `json:"mapping_unchecked"`
+	// MappingOff says why messages were not checked against their values from some point on
+	// (the groups bucket could not be read), or is empty.
+	MappingOff string        `json:"mapping_off,omitempty"`
+	Foreign    uint64        `json:"foreign"`
+	Findings   []Finding     `json:"findings"`
+	Elapsed    time.Duration `json:"elapsed_ns"`
 }
 
 // OK reports whether the audit found no reorder, duplicate, missing message, stale epoch or
@@ -217,6 +220,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 
 		MappingChecked:   out.mapping.checked,
 		MappingUnchecked: out.mapping.unchecked,
+		MappingOff:       out.mapping.off,
 	}
 	per := map[string][]Finding{}
 	for _, src := range a.sources {

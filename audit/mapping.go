@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -38,15 +39,26 @@ type mappingCheck struct {
 	cache  map[uint64]revision
 	fields subjects.Fields
 	buf    []byte
+	// off says why nothing more is checked: the bucket cannot be read (gone, or not allowed).
+	off string
 
 	checked, unchecked uint64
 }
 
+// bucketTimeout bounds the look-up of the groups bucket's stream: a user not allowed to read it
+// may get no answer at all.
+const bucketTimeout = 5 * time.Second
+
 func newMappingCheck(ctx context.Context, js jetstream.JetStream, lay *subjects.Layout, bucket string) *mappingCheck {
 	c := &mappingCheck{lay: lay, bucket: bucket, prefix: "$KV." + bucket + ".", cache: map[uint64]revision{}}
-	if s, err := js.Stream(ctx, subjects.BucketStream(bucket)); err == nil {
-		c.stream = s
+	sctx, cancel := context.WithTimeout(ctx, bucketTimeout)
+	defer cancel()
+	s, err := js.Stream(sctx, subjects.BucketStream(bucket))
+	if err != nil {
+		c.off = fmt.Sprintf("cannot read the groups bucket %s: %v", bucket, err)
+		return c
 	}
+	c.stream = s
 	return c
 }
 
@@ -55,13 +67,20 @@ func newMappingCheck(ctx context.Context, js jetstream.JetStream, lay *subjects.
 func (c *mappingCheck) check(ctx context.Context, subject string, hdr nats.Header, device string) (string, error) {
 	revs := hdr.Get(wire.HeaderRevision)
 	rev, ok := parseUint(revs)
-	if !ok || c.stream == nil || device == "" {
+	if !ok || c.off != "" || device == "" {
 		c.unchecked++ // no provenance (--no-provenance), or the bucket is gone
 		return "", nil
 	}
 	v, err := c.revision(ctx, rev)
 	if err != nil {
-		return "", err
+		if ctx.Err() != nil {
+			return "", err
+		}
+		// The bucket answers no more (not allowed, gone): the rest is not checked; the audit of
+		// order and gaps goes on.
+		c.off = err.Error()
+		c.unchecked++
+		return "", nil
 	}
 	switch {
 	case v.gone:

@@ -126,4 +126,13 @@ func TestMappingChecked(t *testing.T) {
 	if rep := e.run(audit.Config{Names: e.names}); rep.Mappings != 4 {
 		t.Errorf("without --header: %d mappings wrong, want 4 (the subject, another device's value, an unusable value, a delete): %+v", rep.Mappings, rep.Findings)
 	}
+	// Without the bucket nothing is checked against a value, and the audit says why; order and
+	// gaps are audited as before.
+	if err := e.js.DeleteKeyValue(ctx, "device-groups"); err != nil {
+		t.Fatal(err)
+	}
+	if rep := e.run(audit.Config{Names: e.names}); !rep.OK() || rep.MappingChecked != 0 || rep.MappingUnchecked != uint64(len(msgs)) || !strings.Contains(rep.MappingOff, "device-groups") {
+		t.Errorf("without the bucket: OK %v, %d checked, %d unchecked, off %q; want true, 0, %d, the bucket named",
+			rep.OK(), rep.MappingChecked, rep.MappingUnchecked, rep.MappingOff, len(msgs))
+	}
 }

@@ -63,7 +63,10 @@ func (r *Report) WriteText(w io.Writer, names subjects.Names) error {
 	if r.OutOfRange > 0 {
 		extra += fmt.Sprintf(" %d messages name sequences outside %s's range and were checked for order only.", r.OutOfRange, in)
 	}
-	if r.MappingUnchecked > 0 {
+	switch {
+	case r.MappingOff != "" && r.MappingUnchecked > 0:
+		extra += fmt.Sprintf(" %d messages of %s were not checked against the value they were mapped with: %s.", r.MappingUnchecked, out, r.MappingOff)
+	case r.MappingUnchecked > 0:
 		extra += fmt.Sprintf(" %d messages of %s could not be checked against the value they were mapped with "+
 			"(no %s header, or a revision the groups bucket no longer holds).", r.MappingUnchecked, out, wire.HeaderRevision)
 	}

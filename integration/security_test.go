@@ -93,6 +93,8 @@ var (
 			"$JS.API.STREAM.INFO.KV_kvmapper", "$JS.API.DIRECT.GET.KV_kvmapper.$KV.kvmapper.layout",
 			"$JS.API.CONSUMER.CREATE.OUTGOING.>", "$JS.API.CONSUMER.MSG.NEXT.OUTGOING.*", "$JS.API.CONSUMER.DELETE.OUTGOING.*",
 			"$JS.API.CONSUMER.CREATE.UNMAPPED.>", "$JS.API.CONSUMER.MSG.NEXT.UNMAPPED.*", "$JS.API.CONSUMER.DELETE.UNMAPPED.*",
+			// The mapping check: each revision OUTGOING's messages name, read by sequence.
+			"$JS.API.STREAM.INFO.KV_device-groups", "$JS.API.DIRECT.GET.KV_device-groups",
 		},
 		Subscribe: []string{"_INBOX.>"},
 	}
