@@ -440,18 +440,19 @@ func TestMetadataDirectMode(t *testing.T) {
 	}
 
 	e.putRev("dev-bad", `{"group":"g7","region":"eu","tenant":"t"}`)
-	natstest.Eventually(t, 30*time.Second, func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		ack, err := e.js.Publish(ctx, "incoming.dev-bad.evt", []byte("dev-bad:0"), jetstream.WithMsgID("dev-bad:0"))
-		if err != nil {
-			return err
-		}
-		if ack.Stream != "UNMAPPED" {
-			return fmt.Errorf("dev-bad's message acknowledged by %s, want UNMAPPED (the replica may not have its value yet)", ack.Stream)
+	natstest.Eventually(t, 30*time.Second, func() error { // the replica has the value
+		st, err := statusJSON(t, e)
+		if err != nil || len(st.Replicas) == 0 || st.Replicas[0].Report == nil || st.Replicas[0].Report.Table.Invalid[wire.ReasonMissingField] != 1 {
+			return fmt.Errorf("the replica does not count dev-bad's value yet (%v)", err)
 		}
 		return nil
 	})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ack, err := e.js.Publish(ctx, "incoming.dev-bad.evt", []byte("dev-bad:0"), jetstream.WithMsgID("dev-bad:0"))
+	if err != nil || ack.Stream != "UNMAPPED" {
+		t.Fatalf("dev-bad's message: %+v, %v; want a PubAck from UNMAPPED", ack, err)
+	}
 	m := e.readStream("UNMAPPED", 1, 30*time.Second)[0]
 	if h := m.Headers(); h.Get(wire.HeaderReason) != wire.ReasonMissingField || h.Get(wire.HeaderField) != "site" || h.Get(wire.HeaderError) == "" {
 		t.Errorf("dead letter of dev-bad: reason %q, field %q, error %q; want %s, site, a why",

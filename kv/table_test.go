@@ -271,7 +271,7 @@ func TestInvalidValues(t *testing.T) {
 	if got := tb.Invalid(); got[wire.ReasonInvalidGroup] != len(invalid)-1 {
 		t.Errorf("Invalid() = %v after one device was fixed, want %s: %d", got, wire.ReasonInvalidGroup, len(invalid)-1)
 	}
-	if n := strings.Count(logs.String(), "device value the templates cannot use"); n < 1 || n > 2 {
+	if n := strings.Count(logs.String(), "invalid device value"); n < 1 || n > 2 {
 		t.Errorf("logged %d invalid-value lines, want 1 or 2 (rate-limited):\n%s", n, logs.String())
 	}
 }

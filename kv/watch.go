@@ -264,5 +264,5 @@ func (t *Table) warnInvalid(device string, value []byte, e Entry) {
 		ev = ev.Str("field", e.Field)
 	}
 	ev.Str("why", e.Detail).Int("suppressed", suppressed).
-		Msg("device value the templates cannot use; its messages go to UNMAPPED with this reason (or are parked with --on-unmapped park) until the value is fixed")
+		Msg("invalid device value: the templates cannot use it; its messages go to UNMAPPED with this reason (or are parked with --on-unmapped park) until it is fixed")
 }
