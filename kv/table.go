@@ -113,8 +113,6 @@ type shard struct {
 	_     [64 - unsafe.Sizeof(sync.RWMutex{}) - 16]byte // one shard per cache line
 }
 
-func (s *shard) len() int { return len(s.short) + len(s.long) }
-
 // get must be called with s.mu held.
 func (s *shard) get(device string) (slot, bool) {
 	if k, ok := makeShortKey(device); ok {
