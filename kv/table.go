@@ -396,4 +396,3 @@ func (t *Table) bumpRevision(rev uint64) {
 }
 
 func (t *Table) markReady() { t.readyOnce.Do(func() { close(t.ready) }) }
-

@@ -171,4 +171,3 @@ func skipValue(b []byte, i int) int {
 	}
 	return i
 }
-
