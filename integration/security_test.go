@@ -184,6 +184,9 @@ func TestSecurityLeastPrivilegeEndToEnd(t *testing.T) {
 		if code != 0 || strings.Contains(errOut, "permissions violation") {
 			t.Errorf("kvmapper %s with %sGrants: exit %d, want 0 and no violation:\n%s%s", cmd, cmd, code, out, errOut)
 		}
+		if cmd == "verify" && !strings.Contains(out, "as the value each was mapped with renders it") {
+			t.Errorf("kvmapper verify with verifyGrants checked no message against its value:\n%s%s", out, errOut)
+		}
 	}
 	m.stop() // releasing partitions: final checkpoints, lease and member deletes
 	if v := violations(m); len(v) > 0 {
