@@ -35,39 +35,57 @@ func (f *fixture) parkOn(c lanes.Config, perDevice, total int64) lanes.Config {
 // parked returns how many messages PARKED holds for device.
 func (f *fixture) parked(device string) int {
 	f.t.Helper()
+	n, err := f.tryParked(device)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}
+
+// tryParked is parked for a poll: just after a server restart a request may time out.
+func (f *fixture) tryParked(device string) (int, error) {
 	ctx := context.Background()
 	s, err := f.js.Stream(ctx, "PARKED")
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading PARKED: %w", err)
 	}
 	subj := subjects.ParkedSubject("parked", subjects.Partition(device, f.lay.Partitions), device)
 	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subj))
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading PARKED: %w", err)
 	}
-	return int(info.State.Subjects[subj])
+	return int(info.State.Subjects[subj]), nil
 }
 
 // count returns how many messages stream holds.
 func (f *fixture) count(stream string) int {
 	f.t.Helper()
-	s, err := f.js.Stream(context.Background(), stream)
+	n, err := f.tryCount(stream)
 	if err != nil {
 		f.t.Fatal(err)
+	}
+	return n
+}
+
+// tryCount is count for a poll.
+func (f *fixture) tryCount(stream string) (int, error) {
+	s, err := f.js.Stream(context.Background(), stream)
+	if err != nil {
+		return 0, fmt.Errorf("reading %s: %w", stream, err)
 	}
 	info, err := s.Info(context.Background())
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading %s: %w", stream, err)
 	}
-	return int(info.State.Msgs)
+	return int(info.State.Msgs), nil
 }
 
 // waitParked waits until PARKED holds n messages of device.
 func (f *fixture) waitParked(device string, n int) {
 	f.t.Helper()
 	natstest.Eventually(f.t, 30*time.Second, func() error {
-		if got := f.parked(device); got != n {
-			return fmt.Errorf("PARKED holds %d messages of %s, want %d", got, device, n)
+		if got, err := f.tryParked(device); err != nil || got != n {
+			return fmt.Errorf("PARKED holds %d messages of %s, want %d (%v)", got, device, n, err)
 		}
 		return nil
 	})
@@ -176,8 +194,8 @@ func TestParkLimits(t *testing.T) {
 	f.waitParked("a", 10)
 	f.publish([]string{"b", "c"}, 10, nil) // 15 more fit in all, whichever come first
 	natstest.Eventually(t, 20*time.Second, func() error {
-		if n := f.count("UNMAPPED"); n != 10 {
-			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		if n, err := f.tryCount("UNMAPPED"); err != nil || n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10 (%v)", n, err)
 		}
 		return nil
 	})
@@ -231,8 +249,8 @@ func TestParkMaxAge(t *testing.T) {
 	f.publish([]string{"new"}, 5, nil)
 	f.waitParked("new", 5)
 	natstest.Eventually(t, 20*time.Second, func() error {
-		if n := f.count("UNMAPPED"); n != 10 {
-			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		if n, err := f.tryCount("UNMAPPED"); err != nil || n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10 (%v)", n, err)
 		}
 		return nil
 	})
@@ -293,11 +311,11 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 		drop.DropAfter("outgoing.", purged)
 		cut, stop := f.runPool(pool, func(int) bool { return !lost.Load() })
 		natstest.Eventually(t, 30*time.Second, func() error {
-			if n := f.count("OUTGOING"); n != purged {
-				return fmt.Errorf("OUTGOING holds %d, want the %d let through", n, purged)
+			if n, err := f.tryCount("OUTGOING"); err != nil || n != purged {
+				return fmt.Errorf("OUTGOING holds %d, want the %d let through (%v)", n, purged, err)
 			}
-			if n := f.parked("late"); n != total-purged {
-				return fmt.Errorf("PARKED holds %d, want %d: the stored ones purged", n, total-purged)
+			if n, err := f.tryParked("late"); err != nil || n != total-purged {
+				return fmt.Errorf("PARKED holds %d, want %d: the stored ones purged (%v)", n, total-purged, err)
 			}
 			// As after a stream's leader change: nothing later is stored before the release has
 			// seen what it lost time out (it then resends from the first, alone).
@@ -309,8 +327,8 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 		// No purge from now on; the release's resends get through up to stored, then stall.
 		drop.Set(natstest.DropRule{Prefix: "$JS.API.STREAM.PURGE."}, natstest.DropRule{Prefix: "outgoing.", Pass: stored - purged})
 		natstest.Eventually(t, 30*time.Second, func() error {
-			if n := f.count("OUTGOING"); n != stored {
-				return fmt.Errorf("OUTGOING holds %d, want the %d let through", n, stored)
+			if n, err := f.tryCount("OUTGOING"); err != nil || n != stored {
+				return fmt.Errorf("OUTGOING holds %d, want the %d let through (%v)", n, stored, err)
 			}
 			return nil
 		})
