@@ -103,6 +103,9 @@ func sameLane(device string, n int) []string {
 	return out
 }
 
+// The release is held back (its publishes to OUTGOING vanish on the way, natstest.Dropper) while
+// the device publishes its next 100, so that every one of them is parked behind the release in
+// flight: then the release gets through and the device's 200 land in order.
 func TestParkThenReleaseInOrder(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := sameLane("late", 2) // late is provisioned after it published; the other is mapped
@@ -110,7 +113,9 @@ func TestParkThenReleaseInOrder(t *testing.T) {
 		f.groups.set(mapped, "g")
 		// A small window: the release and the device's new parks wait for room in turn, so
 		// the release catches up while parks are held or in flight.
-		pool, _ := f.run(f.parkOn(lanes.Config{MaxInFlight: 16}, 0, 0), nil)
+		cfg := f.parkOn(lanes.Config{MaxInFlight: 16, PublishTimeout: 300 * time.Millisecond}, 0, 0)
+		pool, drop := f.droppingPool(cfg)
+		f.runPool(pool, nil)
 
 		f.publish(devs, 100, nil)
 		f.waitParked(late, 100)
@@ -121,22 +126,28 @@ func TestParkThenReleaseInOrder(t *testing.T) {
 		}
 
 		// Provisioned: released at once, and what it publishes meanwhile stays behind.
+		drop.Drop("outgoing.late-group.")
 		f.groups.set(late, "late-group")
 		pool.Release(late)
-		f.publishFrom([]string{late}, 100, 100, nil)
-		out := f.read("OUTGOING", 300)
-		var lateMsgs []jetstream.Msg
-		for _, m := range out {
-			if strings.HasPrefix(string(m.Data()), late+":") {
-				lateMsgs = append(lateMsgs, m)
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if drop.Dropped() == 0 {
+				return fmt.Errorf("the release has sent nothing yet")
 			}
+			return nil
+		})
+		f.publishFrom([]string{late}, 100, 100, nil)
+		f.waitParked(late, 200) // parked behind the release, which is still held
+		if n := f.count("OUTGOING"); n != 100 {
+			t.Fatalf("OUTGOING holds %d messages while the release is held, want the other device's 100", n)
 		}
-		checkOrder(t, lateMsgs, []string{late}, 200, func(d string) string { return "outgoing.late-group." + d + ".evt" })
+		drop.Drop("")
+		out := f.read("OUTGOING", 300)
+		checkOrder(t, ofDevice(out, late), []string{late}, 200, func(d string) string { return "outgoing.late-group." + d + ".evt" })
 		f.waitParked(late, 0) // released messages are purged
 		natstest.Eventually(t, 10*time.Second, func() error {
 			st := pool.Stats()
-			if st.Parked < 100 || st.Released < 100 || st.Mapped != 300 || st.ParkedDevices != 0 {
-				return fmt.Errorf("Stats() = %+v, want at least 100 parked and released, 300 mapped, no device parked", st)
+			if st.Parked != 200 || st.Released != 200 || st.Mapped != 300 || st.ParkedDevices != 0 {
+				return fmt.Errorf("Stats() = %+v, want 200 parked and released, 300 mapped, no device parked", st)
 			}
 			return nil
 		})
