@@ -109,6 +109,7 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		for _, m := range mods {
 			m(o)
 		}
+		withSystemUser(o)
 		o.ServerName = nd.name
 		o.ClientAdvertise = nd.client.addr()
 		o.Cluster = server.ClusterOpts{
@@ -131,6 +132,33 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	}
 	c.WaitReady()
 	return c
+}
+
+// The system account's user of a Cluster's nodes, for [Cluster.MoveMetaLeaderOff]: the meta
+// group's step-down is a request of the system account.
+const sysUser, sysPassword = "natstest-sys", "natstest-sys"
+
+// withSystemUser gives o a system account with a user of its own, unless the caller configured
+// users or a system account: every other client still connects without credentials, into the
+// global account (its no-auth user), as it would with no authorization at all.
+func withSystemUser(o *server.Options) {
+	if o.SystemAccount != "" || len(o.Users) > 0 || len(o.Nkeys) > 0 || o.Username != "" || o.Authorization != "" || o.NoAuthUser != "" {
+		return
+	}
+	sys := server.NewAccount("NATSTEST_SYS")
+	var global *server.Account
+	for _, a := range o.Accounts {
+		if a.Name == server.DEFAULT_GLOBAL_ACCOUNT {
+			global = a
+		}
+	}
+	o.Accounts = append(o.Accounts, sys)
+	o.SystemAccount = sys.Name
+	o.Users = []*server.User{
+		{Username: sysUser, Password: sysPassword, Account: sys},
+		{Username: "natstest-app", Password: "natstest-app", Account: global},
+	}
+	o.NoAuthUser = "natstest-app"
 }
 
 // start starts node i with its options and the ports it had before.
@@ -231,6 +259,60 @@ func (c *Cluster) MetaLeader() int {
 		}
 	}
 	return -1
+}
+
+// MoveMetaLeaderOff makes sure node i does not lead the JetStream meta group: while it does, it
+// asks it to step down (in the system account) and waits until another node leads. A test that
+// kills node i to take away a stream's leader calls it first, so that it does not measure a meta
+// election too.
+func (c *Cluster) MoveMetaLeaderOff(i int) {
+	c.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	moved := func() bool { l := c.MetaLeader(); return l >= 0 && l != i }
+	for !moved() {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("natstest: %s still leads the meta group, or none does, after 60s of step-downs", c.nodes[i].name)
+		}
+		if c.MetaLeader() == i {
+			c.metaStepDown(i)
+		}
+		// A step-down hands over within milliseconds; one that did not is asked again.
+		again := time.Now().Add(10 * time.Second)
+		for !moved() && time.Now().Before(again) {
+			poll := time.NewTimer(20 * time.Millisecond)
+			<-poll.C
+		}
+	}
+}
+
+// metaStepDown asks the meta leader, node i, to hand the meta group to another running node.
+func (c *Cluster) metaStepDown(i int) {
+	c.t.Helper()
+	var to []int
+	for _, j := range c.running() {
+		if j != i {
+			to = append(to, j)
+		}
+	}
+	if len(to) == 0 {
+		c.t.Fatalf("natstest: no other running node to lead the meta group instead of %s", c.nodes[i].name)
+	}
+	nc, err := nats.Connect(c.URL(to[0]), nats.UserInfo(sysUser, sysPassword))
+	if err != nil {
+		c.t.Fatalf("natstest: connecting to the system account: %v", err)
+	}
+	defer nc.Close()
+	resp, err := nc.Request("$JS.API.META.LEADER.STEPDOWN", nil, 10*time.Second)
+	if err != nil {
+		c.t.Logf("natstest: stepping the meta leader %s down: %v (asking again)", c.nodes[i].name, err)
+		return
+	}
+	var r struct {
+		Success bool `json:"success"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil || !r.Success {
+		c.t.Logf("natstest: stepping the meta leader %s down: %v %s (asking again)", c.nodes[i].name, err, resp.Data)
+	}
 }
 
 // Size returns the number of nodes, up or down.
