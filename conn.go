@@ -1,9 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
@@ -12,10 +16,10 @@ import (
 // connFlags say how to reach NATS and who to be there; every command has them. Where the nats
 // CLI reads an environment variable for the same setting, kvmapper reads it too, after its own.
 func connFlags() []cli.Flag {
-	return []cli.Flag{
+	return in(catConnection,
 		&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Value: "nats://127.0.0.1:4222",
 			Usage: "NATS server URL, or several separated by commas", EnvVars: []string{"KVMAPPER_SERVER", "NATS_URL"}},
-		&cli.StringFlag{Name: "context", Usage: "connect as the nats CLI context `NAME` (see 'nats context save'), or a context .json file; the flags given here override its values",
+		&cli.StringFlag{Name: "context", Usage: "connect as the nats CLI context `NAME`, or a context .json file; flags override it",
 			EnvVars: []string{"KVMAPPER_CONTEXT", "NATS_CONTEXT"}},
 		&cli.StringFlag{Name: "creds", Usage: "user credentials `FILE` (JWT and NKey seed)", TakesFile: true, EnvVars: []string{"KVMAPPER_CREDS", "NATS_CREDS"}},
 		&cli.StringFlag{Name: "nkey", Usage: "user NKey seed `FILE`", TakesFile: true, EnvVars: []string{"KVMAPPER_NKEY", "NATS_NKEY"}},
@@ -26,10 +30,10 @@ func connFlags() []cli.Flag {
 		&cli.StringFlag{Name: "tlscert", Usage: "client certificate `FILE`, for servers that verify clients", TakesFile: true, EnvVars: []string{"KVMAPPER_TLSCERT", "NATS_CERT"}},
 		&cli.StringFlag{Name: "tlskey", Usage: "private key `FILE` of --tlscert", TakesFile: true, EnvVars: []string{"KVMAPPER_TLSKEY", "NATS_KEY"}},
 		&cli.BoolFlag{Name: "tls-first", Aliases: []string{"tlsfirst"}, Usage: "start TLS before the server's greeting (servers with handshake_first)", EnvVars: []string{"KVMAPPER_TLS_FIRST"}},
-		&cli.StringFlag{Name: "inbox-prefix", Usage: "subject prefix of reply inboxes (default _INBOX); a prefix of its own lets the subscribe permission name only kvmapper's replies", EnvVars: []string{"KVMAPPER_INBOX_PREFIX"}},
+		&cli.StringFlag{Name: "inbox-prefix", Usage: "subject prefix of reply inboxes (default _INBOX)", EnvVars: []string{"KVMAPPER_INBOX_PREFIX"}},
 		&cli.DurationFlag{Name: "connect-timeout", Value: 2 * time.Second, Usage: "how long dialling one server may take", EnvVars: []string{"KVMAPPER_CONNECT_TIMEOUT"}},
 		&cli.DurationFlag{Name: "reconnect-wait", Value: 250 * time.Millisecond, Usage: "pause between reconnect attempts to the same server", EnvVars: []string{"KVMAPPER_RECONNECT_WAIT"}},
-	}
+	)
 }
 
 // connSettings maps the connection flags of c onto [natsconn.Settings]: over the nats CLI context
@@ -71,4 +75,32 @@ func connSettings(c *cli.Context) (natsconn.Settings, error) {
 		return natsconn.Settings{}, usageError{err}
 	}
 	return s, nil
+}
+
+// dial connects to NATS as the connection flags of c say, the connection named name; url, if not
+// empty, replaces the server they name (run --embedded). The caller closes the connection.
+func dial(c *cli.Context, name, url string, log zerolog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+	s, err := connSettings(c)
+	if err != nil {
+		return nil, nil, err
+	}
+	if url != "" {
+		s.URL = url
+	}
+	return natsconn.Dial(s, name, log)
+}
+
+// connect dials for a command that works on a deployment setup made, the connection named
+// "kvmapper <command>", and resolves --layout auto into cm.setup (resolveLayout). The caller
+// closes the connection.
+func (cm *common) connect(ctx context.Context, c *cli.Context) (*nats.Conn, jetstream.JetStream, error) {
+	nc, js, err := dial(c, "kvmapper "+c.Command.Name, "", cm.log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := cm.resolveLayout(ctx, js); err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return nc, js, nil
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"reflect"
+	"strconv"
 	"strings"
 	"time"
 
@@ -18,69 +20,79 @@ import (
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-func env(name string) []string { return []string{"KVMAPPER_" + name} }
+// The groups --help shows the flags in.
+const (
+	catConnection = "connection"
+	catNames      = "layout and names"
+	catBehaviour  = "behaviour"
+	catLimits     = "limits"
+)
+
+// in puts flags fs in the group cat of --help.
+func in(cat string, fs ...cli.Flag) []cli.Flag {
+	for _, f := range fs {
+		reflect.ValueOf(f).Elem().FieldByName("Category").SetString(cat)
+	}
+	return fs
+}
+
+// flags joins the flag groups of a command and reads each flag that names no environment
+// variables from KVMAPPER_<NAME> (--max-in-flight: KVMAPPER_MAX_IN_FLIGHT).
+func flags(groups ...[]cli.Flag) []cli.Flag {
+	var all []cli.Flag
+	for _, g := range groups {
+		for _, f := range g {
+			if env := reflect.ValueOf(f).Elem().FieldByName("EnvVars"); env.Len() == 0 {
+				env.Set(reflect.ValueOf([]string{"KVMAPPER_" + strings.ToUpper(strings.ReplaceAll(f.Names()[0], "-", "_"))}))
+			}
+			all = append(all, f)
+		}
+	}
+	return all
+}
 
 // layoutFlags name the subjects, streams and buckets; every command has them.
 func layoutFlags() []cli.Flag {
-	return []cli.Flag{
-		&cli.StringFlag{Name: "layout", Value: string(subjects.AutoLayout), Usage: "how INCOMING is stored: single (one stream partitioned by its subject transform; works on any server), " +
-			"streams (one stream per partition, <incoming-stream>-<p>, filled by an account subject mapping the server must have: setup checks it and prints it, run --embedded sets it; faster) or " +
-			"auto (the deployment's, recorded in the control bucket by setup; a new one gets streams when the server has the mapping or with run --embedded, else single)", EnvVars: env("LAYOUT")},
-		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)", EnvVars: env("PARTITIONS")},
-		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to", EnvVars: env("IN")},
-		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to", EnvVars: env("OUT")},
-		&cli.StringFlag{Name: "unmapped", Value: "unmapped.{device}.{event}", Usage: "subject template dead letters go to", EnvVars: env("UNMAPPED")},
-		&cli.StringFlag{Name: "incoming-stream", Value: subjects.DefaultNames.Incoming, Usage: "stream devices publish into", EnvVars: env("INCOMING_STREAM")},
-		&cli.StringFlag{Name: "outgoing-stream", Value: subjects.DefaultNames.Outgoing, Usage: "stream mapped messages go to", EnvVars: env("OUTGOING_STREAM")},
-		&cli.StringFlag{Name: "unmapped-stream", Value: subjects.DefaultNames.Unmapped, Usage: "stream dead letters go to", EnvVars: env("UNMAPPED_STREAM")},
-		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id", EnvVars: env("GROUPS_BUCKET")},
-		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints", EnvVars: env("CONTROL_BUCKET")},
-		&cli.StringFlag{Name: "parked-stream", Value: subjects.DefaultNames.Parked, Usage: "stream parked devices' messages wait in (--on-unmapped park)", EnvVars: env("PARKED_STREAM")},
-		&cli.StringFlag{Name: "parked-prefix", Value: subjects.DefaultNames.ParkedPrefix, Usage: "first token of the parked subjects, <prefix>.<partition>.<device>", EnvVars: env("PARKED_PREFIX")},
-		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
-		&cli.StringFlag{Name: "mode", Value: string(wire.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
-			"direct (no INCOMING: each partition's owner receives what devices publish over core NATS and republishes it with the device's reply subject, so the device's PubAck comes from OUTGOING)", EnvVars: env("MODE")},
-		&cli.StringFlag{Name: "direct-receive", Value: string(wire.ReceiveMapping), Usage: "direct mode: mapping (the server's account mapping stamps the partition; each owner subscribes to its partitions: setup checks it and prints it, run --embedded sets it) or " +
-			"all (no server configuration: every replica subscribes to every device subject and keeps its partitions)", EnvVars: env("DIRECT_RECEIVE")},
-	}
+	return in(catNames,
+		&cli.StringFlag{Name: "mode", Value: string(wire.ModeStream), Usage: "stream (devices publish into INCOMING) or direct (the owners republish what devices publish)"},
+		&cli.StringFlag{Name: "layout", Value: string(subjects.AutoLayout), Usage: "how INCOMING is stored: single, streams (one stream per partition) or auto (the deployment's)"},
+		&cli.StringFlag{Name: "direct-receive", Value: string(wire.ReceiveMapping), Usage: "direct mode: mapping (the server stamps the partition) or all (no server configuration)"},
+		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)"},
+		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to"},
+		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to"},
+		&cli.StringFlag{Name: "unmapped", Value: "unmapped.{device}.{event}", Usage: "subject template dead letters go to"},
+		&cli.StringFlag{Name: "incoming-stream", Value: subjects.DefaultNames.Incoming, Usage: "stream devices publish into"},
+		&cli.StringFlag{Name: "outgoing-stream", Value: subjects.DefaultNames.Outgoing, Usage: "stream mapped messages go to"},
+		&cli.StringFlag{Name: "unmapped-stream", Value: subjects.DefaultNames.Unmapped, Usage: "stream dead letters go to"},
+		&cli.StringFlag{Name: "groups-bucket", Value: subjects.DefaultNames.Groups, Usage: "KV bucket of device id → group id"},
+		&cli.StringFlag{Name: "control-bucket", Value: subjects.DefaultNames.Control, Usage: "KV bucket of leases, members and checkpoints"},
+		&cli.StringFlag{Name: "parked-stream", Value: subjects.DefaultNames.Parked, Usage: "stream parked devices' messages wait in (--on-unmapped park)"},
+		&cli.StringFlag{Name: "parked-prefix", Value: subjects.DefaultNames.ParkedPrefix, Usage: "first token of the parked subjects, <prefix>.<partition>.<device>"},
+		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates"},
+	)
 }
 
 // groupsHistoryFlag is the flag of the commands that run setup.
 func groupsHistoryFlag() cli.Flag {
-	return &cli.IntFlag{Name: "groups-history", Usage: fmt.Sprintf("values per key the groups bucket keeps when setup creates it, 1 to %d: how far back replay --as-of maps every device "+
-		"(default %d; when given, an existing bucket keeping fewer is an error)", setup.MaxGroupsHistory, setup.DefaultGroupsHistory), EnvVars: env("GROUPS_HISTORY")}
+	return &cli.IntFlag{Name: "groups-history", Usage: fmt.Sprintf("values per key the groups bucket keeps, 1 to %d", setup.MaxGroupsHistory),
+		DefaultText: strconv.Itoa(setup.DefaultGroupsHistory)}
 }
-
-// On-unmapped modes: what `run` does with a message of a device that has no group.
-const (
-	onUnmappedDeadLetter = "dead-letter"
-	onUnmappedPark       = "park"
-)
 
 // parkFlags are the parking flags of the commands that run setup; run adds --park-max-age.
 func parkFlags() []cli.Flag {
-	return []cli.Flag{
-		&cli.StringFlag{Name: "on-unmapped", Value: onUnmappedDeadLetter, Usage: "what a message of a device without a group becomes: dead-letter (to UNMAPPED, reason no-mapping) or " +
-			"park (held in the PARKED stream, with every later message of the device behind it, until the device gets a group; setup creates PARKED)", EnvVars: env("ON_UNMAPPED")},
-		&cli.Int64Flag{Name: "park-max-per-device", Value: setup.DefaultParkMaxPerDevice, Usage: "messages one device may have parked; past it they are dead-lettered as park-full " +
-			"(PARKED's max_msgs_per_subject; when given, an existing PARKED with another limit is an error)", EnvVars: env("PARK_MAX_PER_DEVICE")},
-		&cli.Int64Flag{Name: "park-max-total", Value: setup.DefaultParkMaxTotal, Usage: "messages parked in all; past it they are dead-lettered as park-full (PARKED's max_msgs)", EnvVars: env("PARK_MAX_TOTAL")},
-	}
+	return append(in(catBehaviour,
+		&cli.StringFlag{Name: "on-unmapped", Value: string(setup.OnUnmappedDeadLetter), Usage: "a message of a device without a group is: dead-letter (to UNMAPPED) or park (in PARKED)"},
+	), in(catLimits,
+		&cli.Int64Flag{Name: "park-max-per-device", Value: setup.DefaultParkMaxPerDevice, Usage: "messages one device may have parked; past it: park-full"},
+		&cli.Int64Flag{Name: "park-max-total", Value: setup.DefaultParkMaxTotal, Usage: "messages parked in all; past it: park-full"},
+	)...)
 }
 
 func logFlags() []cli.Flag {
-	return []cli.Flag{
-		&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error", EnvVars: env("LOG_LEVEL")},
-		&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)", EnvVars: env("LOG_FORMAT")},
-	}
-}
-
-func flags(groups ...[]cli.Flag) []cli.Flag {
-	var all []cli.Flag
-	for _, g := range groups {
-		all = append(all, g...)
-	}
-	return all
+	return in(catBehaviour,
+		&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error"},
+		&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)"},
+	)
 }
 
 // common is what every command builds from its flags before anything else.
@@ -177,9 +189,11 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		}
 	}
 	// Only setup and run have the parking flags; elsewhere on-unmapped reads "".
-	switch mode := c.String("on-unmapped"); mode {
-	case "", onUnmappedDeadLetter:
-	case onUnmappedPark:
+	onUnmapped, err := setup.ParseOnUnmapped(c.String("on-unmapped"))
+	if err != nil {
+		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", c.String("on-unmapped"), setup.OnUnmappedDeadLetter, setup.OnUnmappedPark)
+	}
+	if onUnmapped == setup.OnUnmappedPark {
 		if cfg.Mode == wire.ModeDirect {
 			return setup.Config{}, usagef("--on-unmapped park needs --mode stream: in direct mode no stream holds a device's messages, so nothing can keep the parked ones in order")
 		}
@@ -190,10 +204,8 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		if total < per {
 			return setup.Config{}, usagef("invalid value %d for flag --park-max-total: at least --park-max-per-device (%d)", total, per)
 		}
-		cfg.Park = &setup.ParkConfig{MaxPerDevice: per, MaxTotal: total,
+		cfg.Park = &setup.ParkedStream{MaxPerDevice: per, MaxTotal: total,
 			CheckLimits: c.IsSet("park-max-per-device") || c.IsSet("park-max-total")}
-	default:
-		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", mode, onUnmappedDeadLetter, onUnmappedPark)
 	}
 	cfg.Defaults()
 	return cfg, nil

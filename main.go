@@ -80,7 +80,7 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 	app := &cli.App{
 		Name:    "kvmapper",
 		Usage:   "republish JetStream messages to subjects looked up in a NATS KV bucket",
-		Version: version,
+		Version: versionLine(),
 		Description: "Devices publish to incoming.{device}.{event}; kvmapper looks each device's group up in the\n" +
 			"device-groups KV bucket and republishes the unchanged message to outgoing.{group}.{device}.{event},\n" +
 			"in per-device order. Run it N times for automatic failover.",

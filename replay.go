@@ -4,14 +4,12 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvmapper/kvmapper/internal/natsconn"
 	"github.com/kvmapper/kvmapper/replay"
 	"github.com/kvmapper/kvmapper/subjects"
 )
@@ -29,27 +27,28 @@ func replayCommand() *cli.Command {
 			"   kvmapper replay --from-time 2h --into REPLAY --create                 the last two hours\n" +
 			"   kvmapper replay --from-seq 1 --to-seq 5000 --as-of 41 --into REPLAY   with the groups table of revision 41\n" +
 			"   kvmapper replay --from-time 1h --into REPLAY --dry-run                counts per group, publishes nothing",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
-			&cli.Uint64Flag{Name: "from-seq", Usage: "first INCOMING sequence of the range (with --layout streams: of the stream of --partition)", EnvVars: env("FROM_SEQ")},
-			&cli.StringFlag{Name: "from-time", Usage: "start of the range: RFC 3339 time, or a duration meaning that long ago (2h)", EnvVars: env("FROM_TIME")},
-			&cli.Uint64Flag{Name: "to-seq", Usage: "last sequence of the range (default: the last message when the replay first starts)", EnvVars: env("TO_SEQ")},
-			&cli.StringFlag{Name: "to-time", Usage: "end of the range, exclusive: RFC 3339 time or a duration ago", EnvVars: env("TO_TIME")},
-			&cli.StringFlag{Name: "into", Usage: "stream to publish into (required); OUTGOING only with --yes-into-outgoing", EnvVars: env("INTO")},
-			&cli.BoolFlag{Name: "create", Usage: "create --into if it does not exist, capturing --out's and --dead-letters' first tokens", EnvVars: env("CREATE")},
-			&cli.BoolFlag{Name: "yes-into-outgoing", Usage: "confirm --into OUTGOING: its consumers receive the replayed messages besides the live ones", EnvVars: env("YES_INTO_OUTGOING")},
-			&cli.StringFlag{Name: "dead-letters", Usage: "subject template of the replay's dead letters (default: <first token of --out>-unmapped with --unmapped's placeholders; with --into OUTGOING, --unmapped)", EnvVars: env("DEAD_LETTERS")},
-			&cli.StringFlag{Name: "as-of", Value: "now", Usage: "groups table to map with: now, a revision of the groups bucket, or a time (RFC 3339, or a duration ago)", EnvVars: env("AS_OF")},
-			&cli.BoolFlag{Name: "allow-missing-history", Usage: "when the groups bucket no longer holds a device's value at --as-of, dead-letter its messages (history-missing) instead of refusing", EnvVars: env("ALLOW_MISSING_HISTORY")},
-			&cli.StringFlag{Name: "devices", Usage: "only these devices, comma-separated", EnvVars: env("DEVICES")},
-			&cli.IntSliceFlag{Name: "partition", Usage: "only these partitions (repeat or comma-separate)", EnvVars: env("PARTITION")},
-			&cli.BoolFlag{Name: "dry-run", Usage: "map the range and print counts per group; publish and record nothing", EnvVars: env("DRY_RUN")},
-			&cli.StringFlag{Name: "id", Usage: "name of the replay: its progress record and Msg-Ids (default: derived from the range, templates, --into and --as-of)", EnvVars: env("ID")},
-			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)", EnvVars: env("MAX_RATE")},
-			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement", EnvVars: env("MAX_IN_FLIGHT")},
-			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
-			&cli.DurationFlag{Name: "duplicate-window", Value: 2 * time.Minute, Usage: "duplicate window of a stream --create makes", EnvVars: env("DUPLICATE_WINDOW")},
-			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Revision and -Replay headers", EnvVars: env("NO_PROVENANCE")},
-		}),
+		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
+			&cli.Uint64Flag{Name: "from-seq", Usage: "first INCOMING sequence of the range (with --layout streams: of the stream of --partition)"},
+			&cli.StringFlag{Name: "from-time", Usage: "start of the range: RFC 3339 time, or a duration meaning that long ago (2h)"},
+			&cli.Uint64Flag{Name: "to-seq", Usage: "last sequence of the range (default: the last message when the replay first starts)"},
+			&cli.StringFlag{Name: "to-time", Usage: "end of the range, exclusive: RFC 3339 time or a duration ago"},
+			&cli.StringFlag{Name: "into", Usage: "stream to publish into (required); OUTGOING only with --yes-into-outgoing"},
+			&cli.BoolFlag{Name: "create", Usage: "create --into if it does not exist, capturing --out's and --dead-letters' first tokens"},
+			&cli.BoolFlag{Name: "yes-into-outgoing", Usage: "confirm --into OUTGOING: its consumers receive the replayed messages besides the live ones"},
+			&cli.StringFlag{Name: "dead-letters", Usage: "subject template of the replay's dead letters (default: <--out's first token>-unmapped.…)"},
+			&cli.StringFlag{Name: "as-of", Value: "now", Usage: "groups table to map with: now, a groups bucket revision, or a time"},
+			&cli.BoolFlag{Name: "allow-missing-history", Usage: "dead-letter (history-missing) what --as-of has no value for, instead of refusing"},
+			&cli.StringFlag{Name: "devices", Usage: "only these devices, comma-separated"},
+			&cli.IntSliceFlag{Name: "partition", Usage: "only these partitions (repeat or comma-separate)"},
+			&cli.BoolFlag{Name: "dry-run", Usage: "map the range and print counts per group; publish and record nothing"},
+			&cli.StringFlag{Name: "id", Usage: "name of the replay, its progress record and Msg-Ids (default: derived from the request)"},
+			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent"},
+			&cli.DurationFlag{Name: "duplicate-window", Value: 2 * time.Minute, Usage: "duplicate window of a stream --create makes"},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Revision and -Replay headers"},
+		), in(catLimits,
+			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)"},
+			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement"},
+		), logFlags()),
 		Action: replayAction,
 	}
 }
@@ -94,17 +93,13 @@ func replayAction(c *cli.Context) error {
 		to   *time.Time
 	}{{"from-time", &cfg.FromTime}, {"to-time", &cfg.ToTime}} {
 		if v := c.String(t.flag); v != "" {
-			if *t.to, err = parseWhen(v, now); err != nil {
+			if *t.to, err = replay.ParseWhen(v, now); err != nil {
 				return usagef("invalid value %q for flag --%s: %v", v, t.flag, err)
 			}
 		}
 	}
-	if v := c.String("as-of"); v != "now" && v != "" {
-		if rev, err := strconv.ParseUint(v, 10, 64); err == nil {
-			cfg.AsOf.Revision = rev
-		} else if cfg.AsOf.Time, err = parseWhen(v, now); err != nil {
-			return usagef("invalid value %q for flag --as-of: use now, a revision or a time (%v)", v, err)
-		}
+	if cfg.AsOf, err = replay.ParseAsOf(c.String("as-of"), now); err != nil {
+		return usagef("invalid value %q for flag --as-of: %v", c.String("as-of"), err)
 	}
 	if v := c.String("devices"); v != "" {
 		cfg.Devices = strings.Split(v, ",")
@@ -127,18 +122,11 @@ func replayAction(c *cli.Context) error {
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s, err := connSettings(c)
-	if err != nil {
-		return err
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper replay", log)
+	nc, js, err := cm.connect(ctx, c)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	if err := cm.resolveLayout(ctx, js); err != nil {
-		return err
-	}
 	cfg.Names = cm.setup.Names
 	r, err := replay.New(js, cfg)
 	if err != nil {
@@ -157,42 +145,23 @@ func replayAction(c *cli.Context) error {
 }
 
 // replayLayout builds the replay's templates: --in and --partitions as the live mapper's; --out
-// and --dead-letters its own. Without --out, a replay into another stream than OUTGOING
-// publishes under the stream's name in lower case (REPLAY: replay.{group}.{device}.{event}).
+// and --dead-letters its own (replay.Templates).
 func replayLayout(c *cli.Context, names subjects.Names, into string) (*subjects.Layout, error) {
 	live, err := layout(c)
 	if err != nil {
 		return nil, err
 	}
-	out, dead := c.String("out"), c.String("dead-letters")
-	toOutgoing := into == names.Outgoing
-	if !c.IsSet("out") && !toOutgoing {
-		out = strings.ToLower(into) + strings.TrimPrefix(live.Out.String(), live.Out.Prefix())
+	given := ""
+	if c.IsSet("out") {
+		given = c.String("out")
 	}
-	if dead == "" {
-		dead = live.Unmapped.String()
-		if !toOutgoing {
-			o, err := subjects.ParseTemplate(out)
-			if err != nil {
-				return nil, usagef("invalid value %q for flag --out: %v", out, err)
-			}
-			dead = o.Prefix() + "-unmapped" + strings.TrimPrefix(live.Unmapped.String(), live.Unmapped.Prefix())
-		}
+	out, dead, err := replay.Templates(live, names.Outgoing, into, given, c.String("dead-letters"))
+	if err != nil {
+		return nil, usagef("invalid value %q for flag --out: %v", given, err)
 	}
 	lay, err := subjects.NewLayout(c.String("in"), out, dead, c.Int("partitions"))
 	if err != nil {
 		return nil, usageError{err}
 	}
 	return lay, nil
-}
-
-// parseWhen reads an RFC 3339 time, or a duration meaning that long before now.
-func parseWhen(v string, now time.Time) (time.Time, error) {
-	if d, err := time.ParseDuration(v); err == nil {
-		if d < 0 {
-			d = -d
-		}
-		return now.Add(-d), nil
-	}
-	return time.Parse(time.RFC3339Nano, v)
 }

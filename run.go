@@ -2,26 +2,21 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/election"
-	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/internal/embedded"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
@@ -40,27 +35,30 @@ func runCommand() *cli.Command {
 			"each partition's owner republishes what devices publish as it arrives, with the device's reply\n" +
 			"subject, and on SIGTERM hands each partition to its next owner without losing an acknowledgement.\n\n" +
 			"   First run on a machine with only Go:  go run . run --embedded",
-		Flags: flags(connFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen", EnvVars: env("EMBEDDED")},
-			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server", EnvVars: env("LISTEN")},
-			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server", EnvVars: env("DATA_DIR")},
-			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name among the replicas (default: host name and a random suffix)", EnvVars: env("REPLICA_ID")},
-			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together; each partition is guaranteed a quarter of its even share", EnvVars: env("MAX_IN_FLIGHT")},
-			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together", EnvVars: env("MAX_IN_FLIGHT_BYTES")},
-			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds: a replica killed outright has its partitions moved after about this (default: 2s for a control bucket on one server, 15s for a replicated one, which rides through a NATS server's death)", EnvVars: env("LEASE_TTL")},
-			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)", EnvVars: env("RENEW_INTERVAL")},
-			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long", EnvVars: env("GRACE")},
-			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written", EnvVars: env("CHECKPOINT_INTERVAL")},
-			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent", EnvVars: env("PUBLISH_TIMEOUT")},
-			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes", EnvVars: env("DRAIN_TIMEOUT")},
-			&cli.DurationFlag{Name: "handoff-timeout", Value: 5 * time.Second, Usage: "direct mode: how long a released partition keeps forwarding while no new owner has announced itself", EnvVars: env("HANDOFF_TIMEOUT")},
-			&cli.BoolFlag{Name: "direct-provenance", Usage: "direct mode: add the KVMapper-Partition, -Epoch and -Revision headers (off: they cost about a third of the throughput and can make OUTGOING refuse a message near its size limit)", EnvVars: env("DIRECT_PROVENANCE")},
-			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers", EnvVars: env("NO_PROVENANCE")},
-			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port to serve Prometheus /metrics, /healthz and /readyz on, e.g. 127.0.0.1:9090 (default: off)", EnvVars: env("METRICS_LISTEN")},
-			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "NATS subject this replica publishes its ownership changes on as JSON (empty: none)", EnvVars: env("EVENTS_SUBJECT")},
+		Flags: flags(connFlags(), in(catConnection,
+			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen"},
+			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server"},
+			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data of the embedded server"},
+		), layoutFlags(), in(catNames,
+			&cli.StringFlag{Name: "replica-id", Usage: "this replica's name (default: host name and a random suffix)"},
 			groupsHistoryFlag(),
-			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)", EnvVars: env("PARK_MAX_AGE")},
-		}, parkFlags(), layoutFlags(), logFlags()),
+		), parkFlags(), in(catBehaviour,
+			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds", DefaultText: "2s, 15s on a replicated control bucket"},
+			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)"},
+			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long"},
+			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written"},
+			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent"},
+			&cli.DurationFlag{Name: "drain-timeout", Value: 10 * time.Second, Usage: "how long a stopping partition waits for its in-flight publishes"},
+			&cli.DurationFlag{Name: "handoff-timeout", Value: 5 * time.Second, Usage: "direct mode: how long a released partition forwards with no new owner"},
+			&cli.BoolFlag{Name: "direct-provenance", Usage: "direct mode: add the KVMapper-Partition, -Epoch and -Revision headers"},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Epoch and -Revision headers"},
+			&cli.StringFlag{Name: "metrics-listen", Usage: "host:port of Prometheus /metrics, /healthz and /readyz (default: off)"},
+			&cli.StringFlag{Name: "events-subject", Value: status.DefaultEventsSubject, Usage: "subject of this replica's ownership changes, as JSON (empty: none)"},
+		), in(catLimits,
+			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together"},
+			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together"},
+			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)"},
+		), logFlags()),
 		Action: runAction,
 	}
 }
@@ -74,9 +72,9 @@ func setupCommand() *cli.Command {
 			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
 			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
 			"where every other command reads it.",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{groupsHistoryFlag(),
-			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them, instead of spreading them over the servers (--layout streams on a cluster)", EnvVars: env("NO_BALANCE_LEADERS")},
-		}, parkFlags()),
+		Flags: flags(connFlags(), layoutFlags(), in(catNames, groupsHistoryFlag()), parkFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them"},
+		), logFlags()),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
@@ -85,52 +83,16 @@ func setupCommand() *cli.Command {
 			scfg, log := cm.setup, cm.log
 			// Only this command moves leaderships; a replica's own setup leaves them.
 			scfg.BalanceLeaders = !c.Bool("no-balance-leaders")
-			s, err := connSettings(c)
-			if err != nil {
-				return err
-			}
-			nc, js, err := natsconn.Dial(s, "kvmapper setup", log)
+			nc, js, err := dial(c, "kvmapper setup", "", log)
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
 			ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 			defer cancel()
-			auto := scfg.StreamLayout == subjects.AutoLayout
-			choice, err := setup.ChooseLayout(ctx, js, scfg)
-			if err != nil {
-				return err
-			}
-			scfg.StreamLayout = choice.Layout
-			if auto && scfg.Mode == wire.ModeStream {
-				fmt.Fprintf(c.App.Writer, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
-			}
-			lines, err := setup.Ensure(ctx, js, scfg)
-			for _, l := range lines {
-				fmt.Fprintln(c.App.Writer, l)
-			}
-			if err == nil && choice.Faster != "" {
-				fmt.Fprintf(c.App.Writer, "\n%s.\n\n%s", choice.Faster, setup.MappingConfig(scfg.Layout))
-			}
-			return err
+			return setup.Apply(ctx, js, scfg, c.App.Writer)
 		},
 	}
-}
-
-func defaultReplicaID() string {
-	host, err := os.Hostname()
-	if err != nil || host == "" {
-		host = "kvmapper"
-	}
-	host = strings.Map(func(r rune) rune {
-		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
-			return r
-		}
-		return '-'
-	}, host)
-	var b [3]byte
-	_, _ = rand.Read(b[:])
-	return host + "-" + hex.EncodeToString(b[:])
 }
 
 func runAction(c *cli.Context) error {
@@ -163,7 +125,7 @@ func runAction(c *cli.Context) error {
 	}
 	id := c.String("replica-id")
 	if id == "" {
-		id = defaultReplicaID()
+		id = mapper.DefaultID()
 	}
 	if err := subjects.ValidToken(id); err != nil {
 		// It names the replica's KV keys and its status subject: one subject token.
@@ -177,30 +139,26 @@ func runAction(c *cli.Context) error {
 	context.AfterFunc(ctx, stop)
 
 	servers := c.String("server")
-	var srv *server.Server
+	var srv *embedded.Server
 	if c.Bool("embedded") {
-		var url string
-		srv, url, err = startEmbedded(c.String("listen"), c.String("data-dir"), mappings(scfg))
+		srv, err = embedded.Start(embedded.Config{Listen: c.String("listen"), Dir: c.String("data-dir"), Mappings: scfg.ServerMappings()})
+		if errors.Is(err, embedded.ErrInvalidListen) {
+			return usagef("invalid value %q for flag --listen: %v", c.String("listen"), err)
+		}
 		if err != nil {
 			return err
 		}
-		defer func() {
-			srv.Shutdown()
-			srv.WaitForShutdown()
-		}()
-		servers = url
+		defer srv.Shutdown()
+		servers = srv.URL()
 		scfg.CallerSetsMapping = true
-		log.Info().Str("url", url).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
+		log.Info().Str("url", servers).Str("data_dir", c.String("data-dir")).Msg("embedded NATS server with JetStream started")
 	}
 
-	s, err := connSettings(c)
-	if err != nil {
-		return err
+	var embeddedURL string
+	if srv != nil {
+		embeddedURL = servers
 	}
-	if c.Bool("embedded") {
-		s.URL = servers // the embedded server's
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper "+id, log)
+	nc, js, err := dial(c, "kvmapper "+id, embeddedURL, log)
 	if err != nil {
 		return err
 	}
@@ -251,9 +209,9 @@ func runAction(c *cli.Context) error {
 			// Once every partition is served: in direct mode a message nobody subscribes to
 			// yet gets "no responders", and the first command a new user tries would fail.
 			go func() {
-				waitServing(ctx, r, lay.Partitions, 15*time.Second)
+				r.WaitServing(ctx, lay.Partitions, 15*time.Second)
 				if ctx.Err() == nil {
-					printNextSteps(c, servers, scfg)
+					fmt.Fprint(c.App.Writer, scfg.NextSteps(servers))
 				}
 			}()
 		}
@@ -269,14 +227,14 @@ func runAction(c *cli.Context) error {
 // --layout was auto: it gets the mapping now if they are chosen, before setup probes it. Until
 // then, for the few milliseconds since it started listening, a device's message reaches no
 // stream, as during any restart.
-func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *server.Server, log zerolog.Logger) error {
+func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *embedded.Server, log zerolog.Logger) error {
 	if cfg.Mode == wire.ModeDirect {
 		// Direct mode keeps no INCOMING: nothing to choose, and nothing to log.
 		c, err := setup.ChooseLayout(ctx, js, *cfg)
 		cfg.StreamLayout = c.Layout
 		return err
 	}
-	given := mappings(*cfg) != nil
+	given := cfg.ServerMappings() != nil
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	choice, err := setup.ChooseLayout(cctx, js, *cfg)
@@ -285,8 +243,8 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 	}
 	cfg.StreamLayout = choice.Layout
 	if srv != nil && !given && choice.Layout == subjects.PartitionStreams {
-		if err := srv.GlobalAccount().AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
-			return fmt.Errorf("embedded NATS server: mapping %s → %s: %w", cfg.Layout.MappingSource(), cfg.Layout.MappingDest(), err)
+		if err := srv.AddMapping(cfg.Layout.MappingSource(), cfg.Layout.MappingDest()); err != nil {
+			return err
 		}
 	}
 	ev := log.Info().Str("layout", string(choice.Layout)).Str("why", choice.Why)
@@ -295,104 +253,6 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 	}
 	ev.Msg("stream layout")
 	return nil
-}
-
-// mappings returns the account subject mappings cfg needs from the server: the partitioning
-// mapping for the partition streams and for direct mode's default receive mode, none otherwise.
-func mappings(cfg setup.Config) map[string]string {
-	if cfg.Mode == wire.ModeDirect {
-		if cfg.Receive != wire.ReceiveMapping {
-			return nil
-		}
-	} else if cfg.StreamLayout != subjects.PartitionStreams {
-		return nil
-	}
-	return map[string]string{cfg.Layout.MappingSource(): cfg.Layout.MappingDest()}
-}
-
-// startEmbedded starts a NATS server with JetStream listening on listen, its data in dir, whose
-// global account has the subject mappings given (source → destination), as a `mappings` block in
-// a server configuration file would give them.
-func startEmbedded(listen, dir string, mappings map[string]string) (*server.Server, string, error) {
-	host, port, err := net.SplitHostPort(listen)
-	if err != nil {
-		return nil, "", usagef("invalid value %q for flag --listen: want host:port (%v)", listen, err)
-	}
-	p, err := strconv.Atoi(port)
-	if err != nil || p < -1 || p > 65535 {
-		return nil, "", usagef("invalid value %q for flag --listen: bad port", listen)
-	}
-	opts := &server.Options{
-		ServerName: "kvmapper-embedded",
-		Host:       host,
-		Port:       p,
-		JetStream:  true,
-		StoreDir:   dir,
-		NoSigs:     true,
-	}
-	if len(mappings) > 0 {
-		// What the server does with a top-level mappings block: the global account, configured
-		// before the server accepts a connection.
-		gacc := server.NewAccount(server.DEFAULT_GLOBAL_ACCOUNT)
-		for src, dest := range mappings {
-			if err := gacc.AddMapping(src, dest); err != nil {
-				return nil, "", fmt.Errorf("embedded NATS server: mapping %s → %s: %w", src, dest, err)
-			}
-		}
-		opts.Accounts = []*server.Account{gacc}
-	}
-	srv, err := server.NewServer(opts)
-	if err != nil {
-		return nil, "", fmt.Errorf("starting embedded NATS server: %w", err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		srv.Shutdown()
-		return nil, "", fmt.Errorf("embedded NATS server did not listen on %s within 10s (is the port taken? use --listen)", listen)
-	}
-	return srv, srv.ClientURL(), nil
-}
-
-// waitServing waits until r serves all partitions, ctx ends or timeout passes.
-func waitServing(ctx context.Context, r *mapper.Replica, partitions int, timeout time.Duration) {
-	deadline := time.Now().Add(timeout)
-	for r.Serving() < partitions && time.Now().Before(deadline) {
-		if !sleep(ctx, 20*time.Millisecond) {
-			return
-		}
-	}
-}
-
-func printNextSteps(c *cli.Context, url string, cfg setup.Config) {
-	server := ""
-	if url != "nats://127.0.0.1:4222" {
-		server = " -s " + url
-	}
-	if cfg.Mode == wire.ModeDirect {
-		fmt.Fprintf(c.App.Writer, `
-kvmapper is mapping %[1]s → %[2]s on %[3]s in direct mode: a device's PubAck comes from %[7]s.
-In another terminal try:
-
-  go tool nats%[4]s kv put %[5]s dev-42 group-a
-  go tool nats%[4]s sub '%[6]s'
-  go tool nats%[4]s pub --jetstream incoming.dev-42.temp '{"celsius": 21.5}'
-  go tool nats%[4]s req incoming.dev-42.temp '{"celsius": 22.0}'
-
-(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
-
-`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject(), cfg.Outgoing)
-		return
-	}
-	fmt.Fprintf(c.App.Writer, `
-kvmapper is mapping %[1]s → %[2]s on %[3]s. In another terminal try:
-
-  go tool nats%[4]s kv put %[5]s dev-42 group-a
-  go tool nats%[4]s sub '%[6]s'
-  go tool nats%[4]s pub incoming.dev-42.temp '{"celsius": 21.5}'
-
-(any nats CLI works; 'go tool nats' is the one pinned in go.mod). Ctrl-C stops it cleanly.
-
-`, cfg.Layout.In, cfg.Layout.Out, url, server, cfg.Groups, cfg.Layout.OutStreamSubject())
 }
 
 // publishSubject checks that flag name is empty or a subject one can publish to.

@@ -1,20 +1,19 @@
 package main
 
 import (
-	"fmt"
+	"errors"
 	"os"
 	"os/signal"
-	"runtime/pprof"
 	"syscall"
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/bench"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // serverCommand runs only an embedded NATS server with JetStream: kvmapper bench starts one as a
-// child process, so that the server's CPU is its own and the bench can read it.
+// child process (bench.StartServer), so that the server's CPU is its own and the bench can read it.
 func serverCommand() *cli.Command {
 	return &cli.Command{
 		Name:   "server",
@@ -31,77 +30,19 @@ func serverCommand() *cli.Command {
 			&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template of that mapping"},
 			&cli.StringFlag{Name: "direct-in", Usage: "also map this subject template into partitions, as direct mode's mapping receive mode needs (the bench's direct run)"},
 		},
-		Action: serverAction,
-	}
-}
-
-func serverAction(c *cli.Context) error {
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, os.Interrupt, syscall.SIGTERM)
-	prof := make(chan os.Signal, 1)
-	if c.String("cpuprofile") != "" {
-		signal.Notify(prof, syscall.SIGUSR1, syscall.SIGUSR2)
-	}
-	defer signal.Stop(stop)
-	defer signal.Stop(prof)
-
-	sl, err := subjects.ParseStreamLayout(c.String("layout"))
-	if err != nil {
-		return usageError{err}
-	}
-	lay, err := subjects.NewLayout(c.String("in"), "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", c.Int("partitions"))
-	if err != nil {
-		return usageError{err}
-	}
-	maps := mappings(setup.Config{Layout: lay, Names: subjects.Names{StreamLayout: sl}})
-	if in := c.String("direct-in"); in != "" {
-		dlay, err := subjects.NewLayout(in, "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", c.Int("partitions"))
-		if err != nil {
-			return usageError{err}
-		}
-		if maps == nil {
-			maps = map[string]string{}
-		}
-		maps[dlay.MappingSource()] = dlay.MappingDest()
-	}
-	srv, url, err := startEmbedded(c.String("listen"), c.String("data-dir"), maps)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		srv.Shutdown()
-		srv.WaitForShutdown()
-	}()
-	fmt.Fprintln(c.App.Writer, url)
-
-	var f *os.File
-	defer func() {
-		if f != nil {
-			pprof.StopCPUProfile()
-			f.Close()
-		}
-	}()
-	for {
-		select {
-		case <-stop:
-			return nil
-		case s := <-prof:
-			switch {
-			case s == syscall.SIGUSR1 && f == nil:
-				if f, err = os.Create(c.String("cpuprofile")); err != nil {
-					return err
-				}
-				if err := pprof.StartCPUProfile(f); err != nil {
-					return err
-				}
-			case s == syscall.SIGUSR2 && f != nil:
-				pprof.StopCPUProfile()
-				err := f.Close()
-				f = nil
-				if err != nil {
-					return err
-				}
+		Action: func(c *cli.Context) error {
+			sl, err := subjects.ParseStreamLayout(c.String("layout"))
+			if err != nil {
+				return usageError{err}
 			}
-		}
+			ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			err = bench.Serve(ctx, bench.ServerConfig{Listen: c.String("listen"), Dir: c.String("data-dir"), CPUProfile: c.String("cpuprofile"),
+				StreamLayout: sl, Partitions: c.Int("partitions"), In: c.String("in"), DirectIn: c.String("direct-in")}, c.App.Writer)
+			if errors.Is(err, bench.ErrInvalidConfig) {
+				return usageError{err}
+			}
+			return err
+		},
 	}
 }

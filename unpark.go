@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -10,10 +9,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvmapper/kvmapper/internal/natsconn"
+	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -31,10 +29,10 @@ func unparkCommand() *cli.Command {
 			"device's next message is parked again: give it a group to stop parking it.\n\n" +
 			"   kvmapper unpark dev-42            release dev-42's parked messages now\n" +
 			"   kvmapper unpark --drop dev-42     dead-letter them",
-		Flags: flags(connFlags(), layoutFlags(), logFlags(), []cli.Flag{
-			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them", EnvVars: env("DROP")},
-			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)", EnvVars: env("WAIT")},
-		}),
+		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
+			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them"},
+			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)"},
+		), logFlags()),
 		Action: unparkAction,
 	}
 }
@@ -47,7 +45,7 @@ func unparkAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	lay, scfg, log := cm.layout, cm.setup, cm.log
+	lay := cm.layout
 	devices := c.Args().Slice()
 	if len(devices) == 0 {
 		return usagef("kvmapper unpark needs at least one DEVICE")
@@ -61,92 +59,39 @@ func unparkAction(c *cli.Context) error {
 	if wait < 0 {
 		return usagef("invalid value %v for flag --wait: must not be negative", wait)
 	}
-	value := wire.UnparkRelease
+	action := wire.UnparkRelease
 	if c.Bool("drop") {
-		value = wire.UnparkDrop
+		action = wire.UnparkDrop
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s, err := connSettings(c)
-	if err != nil {
-		return err
-	}
-	nc, js, err := natsconn.Dial(s, "kvmapper unpark", log)
+	nc, js, err := cm.connect(ctx, c)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
-	if err := cm.resolveLayout(ctx, js); err != nil {
-		return err
-	}
-	scfg = cm.setup
-	ps, err := js.Stream(ctx, scfg.Parked)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return fmt.Errorf("there is no %s stream: nothing is parked (parking is `kvmapper run --on-unmapped park`)", scfg.Parked)
-	}
-	if err != nil {
-		return fmt.Errorf("opening stream %s: %w", scfg.Parked, err)
-	}
-	ctl, err := js.KeyValue(ctx, scfg.Control)
-	if err != nil {
-		return fmt.Errorf("opening bucket %s: %w", scfg.Control, err)
+	what := "released (republished with its group, or dead-lettered as no-mapping without one)"
+	if action == wire.UnparkDrop {
+		what = "dead-lettered as park-dropped"
 	}
 	var failed error
-	for _, d := range devices {
-		p := subjects.Partition(d, lay.Partitions)
-		subj := subjects.ParkedSubject(scfg.ParkedPrefix, p, d)
-		info, err := ps.Info(ctx, jetstream.WithSubjectFilter(subj))
-		if err != nil {
-			return fmt.Errorf("reading stream %s: %w", scfg.Parked, err)
-		}
-		n := info.State.Subjects[subj]
-		key := wire.UnparkKey(p, d)
-		rev, err := ctl.PutString(ctx, key, string(value))
-		if err != nil {
-			return fmt.Errorf("writing %s to bucket %s: %w", key, scfg.Control, err)
-		}
-		what := "released (republished with its group, or dead-lettered as no-mapping without one)"
-		if value == wire.UnparkDrop {
-			what = "dead-lettered as park-dropped"
-		}
-		if wait == 0 {
-			fmt.Fprintf(c.App.Writer, "%s: %d messages parked; asked the owner of partition %d to have them %s (%s)\n", d, n, p, what, key)
-			continue
-		}
-		if err := waitDeleted(ctx, ctl, key, rev, wait); err != nil {
+	err = lanes.Unpark(ctx, js, lanes.UnparkConfig{Layout: lay, Names: cm.setup.Names, Action: action, Wait: wait}, devices, func(r lanes.UnparkResult) {
+		switch {
+		case !r.Waited:
+			fmt.Fprintf(c.App.Writer, "%s: %d messages parked; asked the owner of partition %d to have them %s (%s)\n", r.Device, r.Parked, r.Partition, what, r.Key)
+		case r.Err != nil:
 			fmt.Fprintf(c.App.Writer, "%s: %d messages parked; the owner of partition %d has not acted within %v: %v. The request stays in %s; the partition's next owner acts on it\n",
-				d, n, p, wait, err, key)
+				r.Device, r.Parked, r.Partition, wait, r.Err, r.Key)
 			failed = cli.Exit("", 1)
-			continue
+		default:
+			fmt.Fprintf(c.App.Writer, "%s: %d messages were parked; %s by the owner of partition %d\n", r.Device, r.Parked, what, r.Partition)
 		}
-		fmt.Fprintf(c.App.Writer, "%s: %d messages were parked; %s by the owner of partition %d\n", d, n, what, p)
+	})
+	if errors.Is(err, lanes.ErrNotParking) {
+		return fmt.Errorf("there is no %s stream: nothing is parked (parking is `kvmapper run --on-unmapped park`)", cm.setup.Parked)
 	}
-	return failed
-}
-
-// waitDeleted waits until key, put at revision rev, is deleted (the owner acted on it).
-func waitDeleted(ctx context.Context, ctl jetstream.KeyValue, key string, rev uint64, wait time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	w, err := ctl.Watch(ctx, key)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = w.Stop() }()
-	for {
-		select {
-		case e, ok := <-w.Updates():
-			if !ok {
-				return errors.New("the watch ended")
-			}
-			if e != nil && e.Revision() > rev && e.Operation() != jetstream.KeyValuePut {
-				return nil
-			}
-			if e != nil && e.Revision() > rev {
-				return errors.New("someone wrote the key again")
-			}
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
+	return failed
 }

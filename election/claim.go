@@ -102,9 +102,11 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	}
 	e.holders[p] = h
 	e.publishOwned()
-	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
-		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
+	unowned := time.Since(s.freeSince)
+	e.log.Debug().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
+		Uint64("epoch", rev).Int64("unowned_ms", ms(unowned)).Bool("planned", planned).
 		Bool("answer_lost", found).Msg("partition claimed")
+	e.claimed = append(e.claimed, claimed{p: p, from: s.lastOwner, unowned: unowned, answerLost: found})
 	e.goroutines.Go(func() { e.exits <- h.run(ctx) })
 }
 

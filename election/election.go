@@ -64,6 +64,12 @@ type Elector struct {
 	holders  map[int]*holder
 	failures map[int]int       // consecutive Work failures per partition
 	cooldown map[int]time.Time // no claim before this time
+	// claimed, handing and released gather what one pass of the loop did, so that a start
+	// claiming every partition, a rebalance or a shutdown logs one line, not one per partition
+	// (see logPass); each partition's own line is at debug level.
+	claimed  []claimed
+	handing  []int
+	released []int
 	// unanswered are the claims whose outcome is not known yet, by partition (see claim).
 	unanswered map[int]unanswered
 	settle     settle
@@ -285,8 +291,14 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 		}
 		h.releasing = true
 		close(h.release)
-		e.log.Info().Int("partition", p).Uint64("epoch", h.lease.Epoch).Int("quota", Quota(len(owners), members, me)).
-			Int("members", len(members)).Msg("handing partition over for rebalance")
+		e.log.Debug().Int("partition", p).Uint64("epoch", h.lease.Epoch).Msg("handing partition over for rebalance")
+		e.handing = append(e.handing, p)
+	}
+	if len(e.handing) > 0 {
+		slices.Sort(e.handing)
+		e.log.Info().Ints("partitions", e.handing).Int("quota", Quota(len(owners), members, me)).
+			Int("members", len(members)).Msg("handing partitions over for rebalance")
+		e.handing = e.handing[:0]
 	}
 
 	if ctx.Err() != nil {
@@ -326,8 +338,77 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 	if t := e.retryUnanswered(ctx, now, slots); !t.IsZero() {
 		later(t)
 	}
+	e.logClaimed()
 	return next
 }
+
+// claimed is one partition a pass of the loop claimed.
+type claimed struct {
+	p          int
+	from       string // the previous owner, if any
+	unowned    time.Duration
+	answerLost bool
+}
+
+// logClaimed logs, in one line, the partitions the pass claimed: which, from whom, the longest
+// any of them was unowned, and how many were found rather than acknowledged (an answer lost).
+func (e *Elector) logClaimed() {
+	if len(e.claimed) == 0 {
+		return
+	}
+	var ps []int
+	var from []string
+	var longest time.Duration
+	lost := 0
+	for _, c := range e.claimed {
+		ps = append(ps, c.p)
+		if c.from != "" && !slices.Contains(from, c.from) {
+			from = append(from, c.from)
+		}
+		longest = max(longest, c.unowned)
+		if c.answerLost {
+			lost++
+		}
+	}
+	slices.Sort(ps)
+	slices.Sort(from)
+	ev := e.log.Info().Ints("partitions", ps).Int("owned", len(e.holders)).Int64("unowned_ms", ms(longest))
+	if len(from) > 0 {
+		ev = ev.Strs("old_owners", from)
+	}
+	if lost > 0 {
+		ev = ev.Int("answer_lost", lost)
+	}
+	ev.Msg("partitions claimed")
+	e.claimed = e.claimed[:0]
+}
+
+// logReleased logs, in one line, the partitions released since the last such line, once none
+// is being released any more: after a rebalance's releases, or every release of a shutdown.
+func (e *Elector) logReleased() {
+	if len(e.released) == 0 {
+		return
+	}
+	select {
+	case <-e.stopping:
+		if len(e.holders) > 0 {
+			return
+		}
+	default:
+		for _, h := range e.holders {
+			if h.releasing {
+				return
+			}
+		}
+	}
+	slices.Sort(e.released)
+	e.log.Info().Ints("partitions", e.released).Int("owned", len(e.holders)).Msg("partitions released")
+	e.released = e.released[:0]
+}
+
+// ms is d in whole milliseconds, rounded: the unit of every duration kvmapper logs (a field
+// named …_ms).
+func ms(d time.Duration) int64 { return d.Round(time.Millisecond).Milliseconds() }
 
 // settling returns until when this replica waits, at start, for the member set to settle before
 // it claims free partitions, or zero once it may claim. It waits until the member set has not
@@ -357,7 +438,7 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 		return until
 	}
 	st.done = true
-	e.log.Debug().Strs("members", members).Dur("after", now.Sub(st.start)).Msg("member set settled")
+	e.log.Debug().Strs("members", members).Int64("after_ms", ms(now.Sub(st.start))).Msg("member set settled")
 	return time.Time{}
 }
 
@@ -365,6 +446,9 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 func (e *Elector) exited(x exit) {
 	delete(e.holders, x.p)
 	e.publishOwned()
+	if x.kind == exitReleased {
+		e.released = append(e.released, x.p)
+	}
 	switch x.kind {
 	case exitFailed:
 		e.failures[x.p]++
@@ -374,6 +458,7 @@ func (e *Elector) exited(x exit) {
 		delete(e.failures, x.p)
 		delete(e.cooldown, x.p)
 	}
+	e.logReleased()
 	e.kickLoop()
 }
 

@@ -179,7 +179,7 @@ func (h *holder) run(parent context.Context) exit {
 		case <-deadline:
 			l.revoke()
 			cancel(ErrReleased)
-			log.Error().Dur("release_timeout", e.cfg.ReleaseTimeout).
+			log.Error().Int64("release_timeout_ms", ms(e.cfg.ReleaseTimeout)).
 				Msg("work did not return in time; abandoning it and leaving the lease to expire")
 			return exit{p: l.Partition, kind: exitAbandoned}
 		}
@@ -315,6 +315,6 @@ func (h *holder) delete() {
 		e.log.Warn().Err(err).Int("partition", h.lease.Partition).Msg("deleting released lease failed; it will expire")
 		return
 	}
-	e.log.Info().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
+	e.log.Debug().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
 		Str("old_owner", e.cfg.ReplicaID).Str("new_owner", "").Msg("partition released")
 }

@@ -177,7 +177,7 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 		return
 	}
 	e.log.Debug().Int("partition", p).Str("old_owner", ch.OldOwner).Str("new_owner", ch.NewOwner).
-		Uint64("epoch", ch.Epoch).Dur("unowned", ch.Unowned).Msg("ownership change observed")
+		Uint64("epoch", ch.Epoch).Int64("unowned_ms", ms(ch.Unowned)).Msg("ownership change observed")
 	// The initial replay shows the state, not changes.
 	if e.cfg.OnChange != nil && ready {
 		e.cfg.OnChange(ch)

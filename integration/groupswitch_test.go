@@ -98,20 +98,20 @@ func keptByFirst(t *testing.T) string {
 	return ""
 }
 
-// laggingHandoff is the scene of the lagging-handoff tests: replica A, owning every partition
+// laggingScene is the scene of the tests of a partition handed to a replica whose table lags: replica A, owning every partition
 // at first, has mapped dev (a device whose partition it keeps when B joins) with group-a, then
 // with group-b; replica B, joined, still sees group-a, its groups watch held at a key before the
 // move until release is called. mods configure both replicas.
-type laggingHandoff struct {
+type laggingScene struct {
 	a, b    *inprocReplica
 	dev     string
 	p       int
 	release func()
 }
 
-func newLaggingHandoff(t *testing.T, e *env, dev string, publish func(n int), mods ...func(*replica.Config)) *laggingHandoff {
+func newLaggingScene(t *testing.T, e *env, dev string, publish func(n int), mods ...func(*replica.Config)) *laggingScene {
 	t.Helper()
-	h := &laggingHandoff{dev: dev}
+	h := &laggingScene{dev: dev}
 	h.p = subjects.Partition(h.dev, partitions)
 	e.put(h.dev, "group-a")
 
@@ -178,7 +178,7 @@ func newLaggingHandoff(t *testing.T, e *env, dev string, publish func(n int), mo
 
 // holdsNoMore fails t if OUTGOING holds more than n messages at any moment of a sustained
 // window: B holds the lease while its table still says group-a.
-func (h *laggingHandoff) holdsNoMore(t *testing.T, e *env, n int) {
+func (h *laggingScene) holdsNoMore(t *testing.T, e *env, n int) {
 	t.Helper()
 	window := time.Now().Add(3 * time.Second)
 	for time.Now().Before(window) {
@@ -198,7 +198,7 @@ func (h *laggingHandoff) holdsNoMore(t *testing.T, e *env, n int) {
 
 // checkSwitch checks that the device's 15 messages went to group-a up to message 4, then to
 // group-b.
-func (h *laggingHandoff) checkSwitch(t *testing.T, e *env) {
+func (h *laggingScene) checkSwitch(t *testing.T, e *env) {
 	t.Helper()
 	msgs := e.readStream("OUTGOING", 15, 30*time.Second)
 	got := perDevice(t, msgs, map[string]int{h.dev: 15})[h.dev]
@@ -213,15 +213,15 @@ func (h *laggingHandoff) checkSwitch(t *testing.T, e *env) {
 	}
 }
 
-// TestGroupSwitchSurvivesHandoffToALaggingReplica checks I4 across a handoff: replica B takes a
+// TestGroupSwitchSurvivesHandoverToALaggingReplica checks I4 across a handover: replica B takes a
 // partition over while its groups watch has not applied the move replica A already mapped with,
 // and must map nothing of the moved device until it has; then everything lands in the new group,
 // in order, and nothing after the switch in the old one.
-func TestGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
+func TestGroupSwitchSurvivesHandoverToALaggingReplica(t *testing.T) {
 	e := newEnv(t)
 	ld := newLoad(t, e.js)
 	dev := keptByFirst(t)
-	h := newLaggingHandoff(t, e, dev, func(n int) { ld.publish([]string{dev}, n) })
+	h := newLaggingScene(t, e, dev, func(n int) { ld.publish([]string{dev}, n) })
 	ld.publish([]string{dev}, 5) // messages 10–14, INCOMING only while B's table lags
 	h.holdsNoMore(t, e, 10)
 	h.release()
@@ -254,7 +254,7 @@ func TestDirectGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
 		}
 	}
 	direct := func(c *replica.Config) { c.Setup.Mode, c.Setup.Receive = wire.ModeDirect, wire.ReceiveMapping }
-	h := newLaggingHandoff(t, e, dev, publish, direct)
+	h := newLaggingScene(t, e, dev, publish, direct)
 	// Messages 10–14 reach B while its table lags: no PubAck, nothing stored, until it caught up.
 	var futs []jetstream.PubAckFuture
 	for range 5 {

@@ -75,7 +75,7 @@ type laneStats struct {
 type delivery struct {
 	msg  jetstream.Msg
 	seq  uint64
-	size int64 // subject, reply, headers and payload: what it holds of the hand-off's bytes
+	size int64 // subject, reply, headers and payload: what it holds of the feed's bytes
 }
 
 // lane is the pipeline of one partition. Everything but the reader runs on one goroutine, which
@@ -119,7 +119,7 @@ type lane struct {
 	readErr chan error
 	inbox   string // "<inbox>.": a reply subject is inbox + sequence
 
-	handoff handoff // bounds the bytes the reader has handed on and the lane not yet taken
+	feed feed // bounds the bytes the reader has handed on and the lane not yet taken
 
 	park *parking // its parked devices (see park.go); nil when parking is off
 
@@ -170,7 +170,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer l.cpWG.Wait()
 	l.ro.takeover = maxWindow
 	l.grant.wake = make(chan struct{}, 1)
-	l.handoff.room = make(chan struct{}, 1)
+	l.feed.room = make(chan struct{}, 1)
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
@@ -192,7 +192,7 @@ func (l *lane) run(ctx context.Context) error {
 
 	l.readErr = make(chan error, 1)
 	readCtx, stopReading := context.WithCancel(ctx)
-	in := make(chan delivery, handoffLen)
+	in := make(chan delivery, feedLen)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -279,13 +279,13 @@ func (l *lane) run(ctx context.Context) error {
 
 // burst is how many deliveries, or acknowledgements, the lane handles in one round of its loop
 // when they are there already: a round costs a select over every channel the lane waits on.
-const burst = handoffLen
+const burst = feedLen
 
 // take publishes d and then, while there is room and nothing failed, the deliveries already
 // waiting in in, up to burst in all. A delivery there is no room for is held.
 func (l *lane) take(d delivery, in <-chan delivery) {
 	for n := 1; ; n++ {
-		l.handoff.taken(d.size)
+		l.feed.taken(d.size)
 		if e := l.prepare(d); !l.admit(e) {
 			l.held = e
 			return

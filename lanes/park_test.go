@@ -22,7 +22,7 @@ import (
 func (f *fixture) parkOn(c lanes.Config, perDevice, total int64) lanes.Config {
 	f.t.Helper()
 	cfg := f.setupConfig()
-	cfg.Park = &setup.ParkConfig{MaxPerDevice: perDevice, MaxTotal: total}
+	cfg.Park = &setup.ParkedStream{MaxPerDevice: perDevice, MaxTotal: total}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if _, err := setup.Ensure(ctx, f.js, cfg); err != nil {

@@ -112,16 +112,16 @@ const consumerInactive = time.Minute
 // messages to out, in order, until ctx is done (it returns nil) or the consumer fails (it
 // returns why; read then creates the next from *next). It deletes the consumer before it
 // returns. One at a time: the next consumer is created only once this one's callback can hand
-// nothing on any more, so two consumers' messages never race for the hand-off. (nats.go's
+// nothing on any more, so two consumers' messages never race for the feed. (nats.go's
 // ordered consumer recreates itself while a callback of the consumer it replaces may still be
-// waiting for the hand-off, and a later message of the new one can then overtake it.) Every
+// waiting for the feed, and a later message of the new one can then overtake it.) Every
 // consumer has a name of its own: on a cluster, a consumer created within seconds of a server's
 // crash can be placed on that server (see [consumerCreateTimeout]), and a create under a name
 // placed there waits for an answer that never comes; the creation gives up after
 // createTimeout.
 //
 // The messages come to a Consume callback on the subscription's own goroutine, which blocks
-// while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
+// while the feed is full: the consumer then sends no new pull request (nats.go asks again
 // only once the callback has returned for every message of the last one), so it holds at most
 // one request's worth, PullBatch messages and pullBytes bytes. A callback costs one allocation
 // per message where the iterator's Next cost five (its options, a heartbeat monitor, its timer
@@ -180,11 +180,11 @@ func (l *lane) deleteConsumer(name string) {
 	_ = l.p.js.DeleteConsumer(ctx, l.stream, name)
 }
 
-// reader is one consumer's callback state. The mutex, held through the hand-off, orders the
+// reader is one consumer's callback state. The mutex, held through the feed, orders the
 // callback against finish: after finish returns, no call hands anything on.
 type reader struct {
 	l      *lane
-	ctx    context.Context // ends with finish: a call waiting for the hand-off gives up
+	ctx    context.Context // ends with finish: a call waiting for the feed gives up
 	cancel context.CancelFunc
 	failed chan error // capacity 1: why the consumer failed, the first reason only
 
@@ -248,7 +248,7 @@ func (r *reader) handle(m jetstream.Msg) {
 		}
 	}
 	d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
-	if !l.handoff.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
+	if !l.feed.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
 		return
 	}
 	select {
@@ -257,7 +257,7 @@ func (r *reader) handle(m jetstream.Msg) {
 		*r.next = ack.StreamSeq + 1
 		l.stats.pending.Store(ack.Pending)
 	case <-r.ctx.Done():
-		l.handoff.taken(d.size) // not handed on after all
+		l.feed.taken(d.size) // not handed on after all
 	}
 }
 
@@ -274,27 +274,28 @@ func (l *lane) checkIncarnation(ctx context.Context) error {
 	return nil
 }
 
-// handoffLen is how many consumed messages the reader may hand on before the lane takes them.
-const handoffLen = 64
+// feedLen is how many consumed messages the reader may hand on before the lane takes them.
+const feedLen = 64
 
-// handoff bounds the bytes of the messages the reader has handed to the lane and the lane has
-// not taken yet (up to handoffLen of them wait in a channel). The first always passes, whatever
-// its size.
-type handoff struct {
+// feed bounds the bytes of the messages the reader has handed to the lane and the lane has
+// not taken yet (up to feedLen of them wait in a channel): the reader→lane feed, not to be taken
+// for a partition's handover between owners (package election) or direct mode's handoff. The
+// first message always passes, whatever its size.
+type feed struct {
 	bytes atomic.Int64
 	room  chan struct{} // capacity 1: the lane took a message since the reader last looked
 }
 
 // wait waits until a message of size bytes fits under limit, and counts it. It returns false if
 // ctx ended first. Only the reader calls it.
-func (h *handoff) wait(ctx context.Context, size, limit int64) bool {
+func (f *feed) wait(ctx context.Context, size, limit int64) bool {
 	for {
-		if n := h.bytes.Load(); n == 0 || n+size <= limit {
-			h.bytes.Add(size)
+		if n := f.bytes.Load(); n == 0 || n+size <= limit {
+			f.bytes.Add(size)
 			return true
 		}
 		select {
-		case <-h.room:
+		case <-f.room:
 		case <-ctx.Done():
 			return false
 		}
@@ -302,10 +303,10 @@ func (h *handoff) wait(ctx context.Context, size, limit int64) bool {
 }
 
 // taken tells the reader that the lane took a message of size bytes.
-func (h *handoff) taken(size int64) {
-	h.bytes.Add(-size)
+func (f *feed) taken(size int64) {
+	f.bytes.Add(-size)
 	select {
-	case h.room <- struct{}{}:
+	case f.room <- struct{}{}:
 	default:
 	}
 }

@@ -52,7 +52,7 @@ func (l *lane) recover(ctx context.Context) error {
 		l.backoff = min(l.backoff, maxProbeBackoff)
 	}
 	l.p.warn("publish", func(ev *zerolog.Event) {
-		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Dur("retry_in", l.backoff).
+		ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", len(l.q)).Int64("retry_in_ms", l.backoff.Round(time.Millisecond).Milliseconds()).
 			Msg("publish failed; resending in order (on a cluster this is expected for a few seconds while a stream elects its leader; if it persists, check that the OUTGOING and UNMAPPED streams exist and the servers are reachable)")
 	})
 	t := time.NewTimer(l.backoff)

@@ -2,10 +2,13 @@ package mapper
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -108,13 +111,13 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	switch {
 	case ttl == 0:
 		ttl = election.LeaseTTLFor(replicas)
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).
 			Msg("lease TTL chosen for the control bucket's replicas (--lease-ttl sets it): a replica killed outright has its partitions taken over after about this")
 	case replicas > 1 && ttl < election.ReplicatedLeaseTTL:
-		log.Warn().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Dur("recommended", election.ReplicatedLeaseTTL).
+		log.Warn().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Int64("recommended_ms", election.ReplicatedLeaseTTL.Milliseconds()).
 			Msg("lease TTL below the election time of a replicated control bucket: the death of the NATS server leading it expires every lease, and every partition stops and moves")
 	default:
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Msg("lease TTL as configured")
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Msg("lease TTL as configured")
 	}
 	return ttl, nil
 }
@@ -136,7 +139,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: Setup.StreamLayout is auto: resolve it with setup.ChooseLayout first", ErrInvalidConfig)
 	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
-		cfg.Setup.Park = &setup.ParkConfig{}
+		cfg.Setup.Park = &setup.ParkedStream{}
 	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
@@ -232,7 +235,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	} else {
 		ecfg.OnChange = r.observeChange
 	}
-	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
+	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) (err error) {
+		defer func() {
+			if errors.Is(err, fenced) || errors.Is(context.Cause(ctx), election.ErrLeaseLost) {
+				r.metrics.ObserveFenced()
+			}
+		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
 		// to the old group (I4). The lease stays held while the table catches up. In direct
@@ -577,5 +585,40 @@ func (r *Replica) Owned() []int { return r.elector.Owned() }
 // partitions subscribed and forwarding (a lease alone does not say so).
 func (r *Replica) Serving() int { return len(r.pool.Partitions()) }
 
+// WaitServing waits until the replica serves n partitions ([Replica.Serving]), polling, and
+// reports whether it does; it gives up with false when ctx ends or timeout passes first.
+func (r *Replica) WaitServing(ctx context.Context, n int, timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for r.Serving() < n {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+		}
+	}
+	return true
+}
+
 // Lookup returns the device's entry in this replica's groups table, as its lanes see it.
 func (r *Replica) Lookup(device string) (kv.Entry, bool) { return r.table.Lookup(device) }
+
+// DefaultID is a replica id for a replica not given one: the host name, with every character an
+// id cannot hold replaced by '-', and a random suffix.
+func DefaultID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "kvmapper"
+	}
+	host = strings.Map(func(r rune) rune {
+		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		return '-'
+	}, host)
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return host + "-" + hex.EncodeToString(b[:])
+}

@@ -328,7 +328,7 @@ func (r *Replay) recover(ctx context.Context) error {
 	}
 	r.backoff = min(max(2*r.backoff, r.cfg.RetryBackoff), r.cfg.MaxRetryBackoff)
 	r.warn("publish", func(ev *zerolog.Event) {
-		ev.Err(first).Int("in_flight", len(r.q)).Dur("retry_in", r.backoff).
+		ev.Err(first).Int("in_flight", len(r.q)).Int64("retry_in_ms", r.backoff.Round(time.Millisecond).Milliseconds()).
 			Msg("publish failed; resending in order (if this persists, check that the target streams exist and the server is reachable)")
 	})
 	t := time.NewTimer(r.backoff)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"regexp"
 	"slices"
 	"time"
@@ -58,7 +59,7 @@ type Config struct {
 	GroupsHistory int
 	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
 	// leaves it alone.
-	Park *ParkConfig
+	Park *ParkedStream
 	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
 	// partition streams' leaderships until every server leads P/N of them, give or take one,
 	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
@@ -392,3 +393,26 @@ const (
 	errCodeNoPeers               jetstream.ErrorCode = 10005
 	errCodeInsufficientResources jetstream.ErrorCode = 10023
 )
+
+// Apply is `kvmapper setup`: it resolves cfg's layout ([ChooseLayout]; a choice --layout auto
+// made is said in stream mode), then runs [Ensure], and writes to w what they did, one line each,
+// and when a faster layout was not chosen, why and the server configuration it needs.
+func Apply(ctx context.Context, js jetstream.JetStream, cfg Config, w io.Writer) error {
+	auto := cfg.StreamLayout == subjects.AutoLayout
+	choice, err := ChooseLayout(ctx, js, cfg)
+	if err != nil {
+		return err
+	}
+	cfg.StreamLayout = choice.Layout
+	if auto && cfg.Mode == wire.ModeStream {
+		fmt.Fprintf(w, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
+	}
+	lines, err := Ensure(ctx, js, cfg)
+	for _, l := range lines {
+		fmt.Fprintln(w, l)
+	}
+	if err == nil && choice.Faster != "" {
+		fmt.Fprintf(w, "\n%s.\n\n%s", choice.Faster, MappingConfig(cfg.Layout))
+	}
+	return err
+}

@@ -40,9 +40,9 @@ func TestScaleOutHandsOverExcess(t *testing.T) {
 	}
 }
 
-// TestGracefulHandoffOrder checks that on shutdown the lease stays held (and renewed) while Work
+// TestGracefulHandoverOrder checks that on shutdown the lease stays held (and renewed) while Work
 // drains, and is deleted only after Work returns; the next owner starts after that.
-func TestGracefulHandoffOrder(t *testing.T) {
+func TestGracefulHandoverOrder(t *testing.T) {
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)
