@@ -172,6 +172,66 @@ func TestFullQueueDropsAndGoesOn(t *testing.T) {
 	}
 }
 
+// The queue's byte bound (QueueBytes, 4 MiB by default) drops as its message bound does: with
+// 512 KiB messages behind a held one, seven fit in 4 MiB (each also counts its subject and reply),
+// the rest are dropped and get no acknowledgement, and the partition goes on.
+func TestFullQueueByBytesDropsAndGoesOn(t *testing.T) {
+	f := newFixture(t, wire.ReceiveMapping)
+	f.groups.set("dev-1", "g")
+	gate, entered := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	lookup := func(device string) (string, uint64, string) {
+		if device == "dev-1" {
+			once.Do(func() { close(entered); <-gate })
+		}
+		return f.groups.lookup(device)
+	}
+	a := f.pool("a", lookup, nil) // the default bounds: 16384 messages, 4 MiB
+	f.run(a, direct.Assignment{Partition: partOf("dev-1"), Epoch: 1})
+	payload := make([]byte, 512<<10)
+	var futs []jetstream.PubAckFuture
+	for i := range 20 {
+		fut, err := f.js.PublishAsync("incoming.dev-1.temp", payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		futs = append(futs, fut)
+		if i == 0 {
+			<-entered // the lane is held on the first message: the rest queue up
+		}
+	}
+	natstest.Eventually(t, 30*time.Second, func() error {
+		if st := a.Stats(); st.Dropped+uint64(st.Pending) < 19 {
+			return fmt.Errorf("%d dropped and %d queued of the 19 behind the held message", st.Dropped, st.Pending)
+		}
+		return nil
+	})
+	if st := a.Stats(); st.Pending != 7 || st.Dropped != 12 {
+		t.Errorf("Stats() = %d queued and %d dropped, want 7 queued (4 MiB of 512 KiB messages and their subjects) and 12 dropped", st.Pending, st.Dropped)
+	}
+	close(gate)
+	acked := 0
+	natstest.Eventually(t, 30*time.Second, func() error {
+		for _, fut := range futs {
+			select {
+			case <-fut.Ok():
+				acked++
+			default:
+			}
+		}
+		if acked < 8 {
+			return fmt.Errorf("%d acknowledged", acked)
+		}
+		return nil
+	})
+	if st := a.Stats(); st.Dropped != 12 || acked != 8 {
+		t.Errorf("Stats().Dropped = %d and %d acknowledged, want 12 dropped and 8 (the held one and 7 queued) acknowledged", st.Dropped, acked)
+	}
+	if ack, err := f.js.Publish(context.Background(), "incoming.dev-1.temp", []byte("after")); err != nil || ack.Stream != "OUTGOING" {
+		t.Fatalf("Publish after the overflow = %+v, %v", ack, err)
+	}
+}
+
 // The probes of kvmapper setup reach running owners and are dropped there: nothing stored.
 func TestSetupProbesAreNotForwarded(t *testing.T) {
 	eachReceive(t, func(t *testing.T, f *fixture) {
