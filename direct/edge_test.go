@@ -242,16 +242,29 @@ func TestSetupProbesAreNotForwarded(t *testing.T) {
 		if err := setup.CheckDirect(ctx, f.js, setup.Config{Layout: f.lay, Mode: wire.ModeDirect, Receive: wire.Receive(f.receive)}); err != nil {
 			t.Fatalf("CheckDirect beside running owners: %v", err)
 		}
-		// A message published after the probes, on the same connection, is forwarded after them.
-		f.groups.set("dev-1", "g")
-		if _, err := f.js.Publish(ctx, "incoming.dev-1.temp", nil); err != nil {
-			t.Fatal(err)
+		// One probe went to each partition. A message published after them on the same
+		// connection to each partition is forwarded after its partition's probe: once all are
+		// acknowledged, every probe has been dealt with.
+		byPart := map[int]string{}
+		for i := 0; len(byPart) < partitions; i++ {
+			if d := fmt.Sprintf("dev-%d", i); byPart[partOf(d)] == "" {
+				byPart[partOf(d)] = d
+				f.groups.set(d, "g")
+			}
+		}
+		for _, d := range byPart {
+			if ack, err := f.js.Publish(ctx, "incoming."+d+".temp", nil); err != nil || ack.Stream != "OUTGOING" {
+				t.Fatalf("Publish(%s) = %+v, %v; want OUTGOING's PubAck", d, ack, err)
+			}
 		}
 		if n := len(f.stream("UNMAPPED")); n != 0 {
 			t.Errorf("UNMAPPED holds %d messages after the probes, want none", n)
 		}
-		if st := p.Stats(); st.Mapped != 1 || len(st.Unmapped) != 0 {
-			t.Errorf("Stats() = %+v after the probes and one message, want 1 mapped", st)
+		if n := len(f.stream("OUTGOING")); n != partitions {
+			t.Errorf("OUTGOING holds %d messages after the probes, want the %d published after them", n, partitions)
+		}
+		if st := p.Stats(); st.Mapped != partitions || len(st.Unmapped) != 0 {
+			t.Errorf("Stats() = %+v after the probes and a message per partition, want %d mapped", st, partitions)
 		}
 	})
 }
