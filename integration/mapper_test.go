@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -389,10 +388,9 @@ func TestQuickStartEmbedded(t *testing.T) {
 // replica and returns its logs.
 func quickStart(t *testing.T, dir, layout string, extra ...string) *logBuf {
 	t.Helper()
-	port := freePort(t)
-	url := "nats://127.0.0.1:" + strconv.Itoa(port)
-	args := append([]string{"run", "--embedded", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--data-dir", dir, "--log-format", "json"}, extra...)
+	args := append([]string{"run", "--embedded", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--log-format", "json"}, extra...)
 	m := startProcess(t, "embedded", args...)
+	url := m.embeddedURL()
 	natstest.Eventually(t, 30*time.Second, func() error {
 		if !strings.Contains(m.logs.String(), "go tool nats -s "+url+" kv put device-groups dev-42 group-a") {
 			return fmt.Errorf("next steps not printed yet")
@@ -461,12 +459,14 @@ func waitAtLeast(t *testing.T, e *env, stream string, n int) {
 	})
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+// embeddedURL is the URL of the embedded server of `kvmapper run --embedded --listen
+// 127.0.0.1:-1`, as it logs it: the server picks a free port, so that no port is reserved by
+// closing a listener, which races with other servers starting.
+func (m *mapper) embeddedURL() string {
+	m.t.Helper()
+	url, _ := m.waitLog("embedded NATS server with JetStream started", 30*time.Second)["url"].(string)
+	if url == "" {
+		m.t.Fatalf("%s logged no url for its embedded server", m.id)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return url
 }

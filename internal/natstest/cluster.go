@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -46,10 +47,12 @@ type node struct {
 	name   string
 	client *link // the address clients dial
 
-	srv         *Server // nil while down
-	opts        *server.Options
-	port        int // client port, kept across restarts
-	clusterPort int // route port, kept across restarts
+	srv  *Server // nil while down
+	opts *server.Options
+	// The ports the server listens on, picked by the server at each start (no port is reserved
+	// by closing a listener, which races with other servers starting): clients and peers reach
+	// it through its links, which read them when they dial.
+	port, clusterPort atomic.Int32
 }
 
 // StartCluster starts n servers (at least 1) named n0, n1… in a cluster and waits until
@@ -75,8 +78,8 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	c.links = make([][]*link, n)
 	c.nodes = make([]*node, n)
 	for i := range n {
-		nd := &node{name: fmt.Sprintf("n%d", i), port: -1, clusterPort: -1}
-		if nd.client, err = newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", nd.port) }); err != nil {
+		nd := &node{name: fmt.Sprintf("n%d", i)}
+		if nd.client, err = newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", nd.port.Load()) }); err != nil {
 			t.Fatalf("natstest: listening: %v", err)
 		}
 		c.nodes[i] = nd
@@ -88,21 +91,12 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 				continue
 			}
 			to := c.nodes[j]
-			l, err := newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", to.clusterPort) })
+			l, err := newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", to.clusterPort.Load()) })
 			if err != nil {
 				t.Fatalf("natstest: listening: %v", err)
 			}
 			c.links[i][j] = l
 		}
-	}
-	// The cluster ports must be known before any node dials: listen on them first.
-	for i := range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("natstest: listening: %v", err)
-		}
-		c.nodes[i].clusterPort = ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
 	}
 	for i, nd := range c.nodes {
 		o := Options(dirs[i])
@@ -113,7 +107,7 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		o.ServerName = nd.name
 		o.ClientAdvertise = nd.client.addr()
 		o.Cluster = server.ClusterOpts{
-			Name: c.name, Host: "127.0.0.1", Port: nd.clusterPort,
+			Name: c.name, Host: "127.0.0.1", Port: -1,
 			// Gossiped addresses lead to the sink, so that every route between two nodes is one
 			// they were configured with, through their link.
 			Advertise:   c.sink.addr(),
@@ -161,13 +155,12 @@ func withSystemUser(o *server.Options) {
 	o.NoAuthUser = "natstest-app"
 }
 
-// start starts node i with its options and the ports it had before.
+// start starts node i with its options, on ports the server picks.
 func (c *Cluster) start(i int) {
 	c.t.Helper()
 	nd := c.nodes[i]
 	o := *nd.opts
-	o.Port = nd.port
-	o.Cluster.Port = nd.clusterPort
+	o.Port, o.Cluster.Port = -1, -1
 	s, err := server.NewServer(&o)
 	if err != nil {
 		c.t.Fatalf("natstest: server.NewServer(%s): %v", nd.name, err)
@@ -178,7 +171,8 @@ func (c *Cluster) start(i int) {
 		c.t.Fatalf("natstest: %s not ready within 10s", nd.name)
 	}
 	nd.srv = &Server{Server: s, Opts: &o, t: c.t}
-	nd.port = nd.srv.Port()
+	nd.port.Store(int32(nd.srv.Port()))
+	nd.clusterPort.Store(int32(s.ClusterAddr().Port))
 	nd.client.mend()
 	for j := range c.nodes {
 		if j != i {
