@@ -435,17 +435,24 @@ func (e *env) readStream(stream string, want int, timeout time.Duration) []jetst
 	return out
 }
 
+// count returns how many messages stream holds. A request that fails (just after a server
+// restart one may time out) is made again, for up to 10 s.
 func (e *env) count(stream string) int {
 	e.t.Helper()
-	s, err := e.js.Stream(context.Background(), stream)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	info, err := s.Info(context.Background())
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	return int(info.State.Msgs)
+	var n int
+	natstest.Eventually(e.t, 10*time.Second, func() error {
+		s, err := e.js.Stream(context.Background(), stream)
+		if err != nil {
+			return fmt.Errorf("reading stream %s: %w", stream, err)
+		}
+		info, err := s.Info(context.Background())
+		if err != nil {
+			return fmt.Errorf("reading stream %s: %w", stream, err)
+		}
+		n = int(info.State.Msgs)
+		return nil
+	})
+	return n
 }
 
 // perDevice splits msgs by device (the payload's prefix) and checks that each device's numbers

@@ -22,18 +22,25 @@ import (
 var parkFlags = []string{"--on-unmapped", "park", "--park-max-per-device", "10000"}
 
 // parked returns how many messages PARKED holds for device.
+// A request that fails (just after a server restart one may time out) is made again, for up to
+// 10 s.
 func (e *env) parked(device string) int {
 	e.t.Helper()
-	s, err := e.js.Stream(context.Background(), "PARKED")
-	if err != nil {
-		e.t.Fatal(err)
-	}
 	subj := subjects.ParkedSubject("parked", subjects.Partition(device, partitions), device)
-	info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(subj))
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	return int(info.State.Subjects[subj])
+	var n int
+	natstest.Eventually(e.t, 10*time.Second, func() error {
+		s, err := e.js.Stream(context.Background(), "PARKED")
+		if err != nil {
+			return fmt.Errorf("reading PARKED: %w", err)
+		}
+		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(subj))
+		if err != nil {
+			return fmt.Errorf("reading PARKED: %w", err)
+		}
+		n = int(info.State.Subjects[subj])
+		return nil
+	})
+	return n
 }
 
 func (e *env) waitParked(device string, n int) {

@@ -345,17 +345,24 @@ func devices(n int) []string {
 	return out
 }
 
+// checkpoint returns partition p's checkpoint. A read that fails (just after a server restart
+// one may time out) is made again, for up to 10 s.
 func (f *fixture) checkpoint(p int) uint64 {
 	f.t.Helper()
-	e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
-	if err != nil {
-		f.t.Fatalf("Get(%s): %v", wire.CheckpointKey(p), err)
-	}
-	cp, err := wire.ParseCheckpoint(e.Value())
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return cp.Seq
+	var seq uint64
+	natstest.Eventually(f.t, 10*time.Second, func() error {
+		e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
+		if err != nil {
+			return fmt.Errorf("Get(%s): %w", wire.CheckpointKey(p), err)
+		}
+		cp, err := wire.ParseCheckpoint(e.Value())
+		if err != nil {
+			return err
+		}
+		seq = cp.Seq
+		return nil
+	})
+	return seq
 }
 
 // checkReaders checks that each partition's lane reads as its stream layout says: one consumer
