@@ -33,7 +33,8 @@ const inTransit = "?"
 // return (up to ReleaseTimeout) before deleting the lease, so Work can drain in-flight work and
 // write its final checkpoint. A Work that returns while its ctx is alive gives the partition up:
 // the lease is released, a non-nil error is logged, and this replica reclaims the partition only
-// after a backoff. Work runs on its own goroutine, one per owned partition; the partition is not
+// after a backoff; unless the error wraps [ErrLeaseLost] (the work found a newer owner's fence),
+// which ends the lease as a lost one: nothing is deleted. Work runs on its own goroutine, one per owned partition; the partition is not
 // claimed again by this replica until Work has returned.
 type Work func(ctx context.Context, l *Lease) error
 
@@ -220,6 +221,25 @@ func (e *Elector) stale() bool {
 	return false
 }
 
+// ownGap is the longest gap between two of this replica's own writes seen on the watch that
+// still counts as one run of writable time (see [Config.JudgedExpiry]).
+func (e *Elector) ownGap() time.Duration { return 3 * e.cfg.RenewInterval }
+
+// judged reports whether a key last written at h (a lease, a member) has been silent for
+// JudgedExpiry of writable time: its owner is taken for dead.
+func (e *Elector) judged(own writable, h heard) bool {
+	return e.cfg.JudgedExpiry > 0 && own.silentFor(h) >= e.cfg.JudgedExpiry
+}
+
+// judgeable returns when a key last written at h could be judged dead if this replica's own
+// writes go on being heard, and zero without JudgedExpiry or before any own write is heard.
+func (e *Elector) judgeable(own writable, h heard) time.Time {
+	if e.cfg.JudgedExpiry <= 0 {
+		return time.Time{}
+	}
+	return own.judgeableAt(h, e.cfg.JudgedExpiry)
+}
+
 // kickLoop wakes the loop without blocking.
 func (e *Elector) kickLoop() {
 	select {
@@ -233,38 +253,53 @@ func (e *Elector) kickLoop() {
 // claims any partition unowned longer than Grace, and tries again the claims whose answer was
 // lost. It returns when it next needs to run (zero if only events matter).
 func (e *Elector) reconcile(ctx context.Context) time.Time {
-	ready, live, slots := e.view.snapshot()
+	ready, live, slots, own := e.view.snapshot()
 	if !ready {
 		return time.Time{}
 	}
+	now := time.Now()
+	var next time.Time
+	later := func(t time.Time) {
+		if !t.IsZero() && (next.IsZero() || t.Before(next)) {
+			next = t
+		}
+	}
 	me := e.cfg.ReplicaID
-	live[me] = struct{}{}
-	members := make([]string, 0, len(live))
-	for m := range live {
+	members := make([]string, 0, len(live)+1)
+	members = append(members, me)
+	for m, h := range live {
+		if m == me {
+			continue
+		}
+		if e.judged(own, h) {
+			continue // left out of the quotas: it has been silent for JudgedExpiry
+		}
+		later(e.judgeable(own, h))
 		members = append(members, m)
 	}
 	slices.Sort(members)
 	// The holders, not the watch, say what this replica owns: the watch lags behind claims,
-	// and counting a fresh claim as free would make Plan claim past the quota.
+	// and counting a fresh claim as free would make Plan claim past the quota. A lease judged
+	// dead counts as free, since when it was judged; claiming it writes over its last revision.
 	owners := make([]string, len(slots))
 	for p, s := range slots {
 		owners[p] = s.owner
-		if s.owner == me {
+		h := heard{seen: s.seen, stored: s.stored}
+		switch {
+		case s.owner == me:
 			owners[p] = inTransit
+		case s.owner == "":
+		case e.judged(own, h):
+			owners[p] = ""
+			slots[p].freeSince = e.judgeable(own, h)
+		default:
+			later(e.judgeable(own, h))
 		}
 	}
 	for p := range e.holders {
 		owners[p] = me
 	}
 	claims, releases := Plan(me, members, owners)
-
-	now := time.Now()
-	var next time.Time
-	later := func(t time.Time) {
-		if next.IsZero() || t.Before(next) {
-			next = t
-		}
-	}
 
 	// Partitions already being handed over count towards the excess, whichever they are. A
 	// partition claimed past Grace is kept for a while rather than swapped for another, so
@@ -348,6 +383,7 @@ type claimed struct {
 	from       string // the previous owner, if any
 	unowned    time.Duration
 	answerLost bool
+	takenOver  bool // from an owner judged dead (Config.JudgedExpiry)
 }
 
 // logClaimed logs, in one line, the partitions the pass claimed: which, from whom, the longest
@@ -359,8 +395,11 @@ func (e *Elector) logClaimed() {
 	var ps []int
 	var from []string
 	var longest time.Duration
-	lost := 0
+	lost, taken := 0, 0
 	for _, c := range e.claimed {
+		if c.takenOver {
+			taken++
+		}
 		ps = append(ps, c.p)
 		if c.from != "" && !slices.Contains(from, c.from) {
 			from = append(from, c.from)
@@ -378,6 +417,9 @@ func (e *Elector) logClaimed() {
 	}
 	if lost > 0 {
 		ev = ev.Int("answer_lost", lost)
+	}
+	if taken > 0 {
+		ev = ev.Int("taken_over", taken)
 	}
 	ev.Msg("partitions claimed")
 	e.claimed = e.claimed[:0]
@@ -498,7 +540,13 @@ func (e *Elector) heartbeat(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			cctx, cancel := context.WithTimeout(ctx, e.cfg.MemberTTL-e.cfg.RenewInterval)
+			timeout := e.cfg.MemberTTL - e.cfg.RenewInterval
+			if e.cfg.JudgedExpiry > 0 {
+				// The others judge this replica by its heartbeats: one stuck waiting for a dead
+				// leader's answer would leave it silent after an election.
+				timeout = e.cfg.RenewInterval
+			}
+			cctx, cancel := context.WithTimeout(ctx, timeout)
 			if err := e.putMember(cctx); err != nil && ctx.Err() == nil {
 				e.log.Debug().Err(err).Msg("member heartbeat failed")
 			}

@@ -123,6 +123,13 @@ type lane struct {
 
 	park *parking // its parked devices (see park.go); nil when parking is off
 
+	// deletes are the deletions of the consumers the reader is done with, in the background.
+	deletes sync.WaitGroup
+
+	// fences are the lane's fences in its output streams, by stream name, written before the
+	// lane started publishing (see outfence.go); nil when none is fenced.
+	fences map[string]OutputFence
+
 	stats laneStats // read by Pool.Partitions from other goroutines
 
 	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
@@ -158,6 +165,14 @@ func newLane(p *Pool, a Assignment) *lane {
 func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 
 func (l *lane) run(ctx context.Context) error {
+	// The outputs first: once a stream holds this lane's record, an earlier owner can store
+	// nothing more there, so the checkpoint it may still write covers only what it stored.
+	if err := l.fenceOutputs(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil // released before it started
+		}
+		return err
+	}
 	start, err := l.fence(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -203,6 +218,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer func() {
 		stopReading()
 		wg.Wait()
+		l.deletes.Wait()
 	}()
 
 	tick := time.NewTicker(l.p.cfg.CheckpointInterval)

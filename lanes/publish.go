@@ -32,6 +32,9 @@ var (
 	// errStalled marks a publish in flight when the server had answered nothing for
 	// StallTimeout: the output stream has likely lost its leader.
 	errStalled = errors.New("lanes: no answer from the server within the stall timeout (the stream may have no leader)")
+	// errLeaderChanged marks a publish sent before its stream's new leader was announced, and
+	// still unanswered a moment after: the old leader dropped it when it stepped down.
+	errLeaderChanged = errors.New("lanes: the output stream changed leader; unanswered publishes sent before are resent in order")
 	// errOvertaken marks a publish that a later one to the same stream, on the same connection,
 	// overtook: the stream answers in the order it stores, so the earlier one was lost (a
 	// leader that stepped down drops what it had queued).
@@ -171,12 +174,25 @@ func (l *lane) expire(now time.Time) {
 	stall := l.p.cfg.StallTimeout
 	stalled := stall > 0 && now.Sub(l.answered) > stall
 	timedOut, lost := false, false
+	var elected [3]time.Time // by streamOf: when the stream's latest leader was announced
+	for i, name := range [3]string{l.p.cfg.Outgoing, l.p.cfg.Unmapped, l.p.cfg.Park.Stream} {
+		if name != "" {
+			if at := l.p.leaders.elected(name); now.Sub(at) > leaderGrace {
+				elected[i] = at
+			}
+		}
+	}
 	for _, e := range l.q {
 		switch {
 		case e.settled():
 		case e.gen != gen:
 			e.err = nats.ErrDisconnected
 			l.failed = true
+		case lost || e.sent.Before(elected[streamOf(e)]):
+			// Sent to a leader that has since handed over, and unanswered: it dropped it. So is
+			// every later one taken for lost: it must not be stored before that one's resend.
+			e.err = errLeaderChanged
+			l.failed, lost = true, true
 		case now.Sub(e.sent) > l.timeout:
 			e.err = errAckTimeout
 			l.failed = true

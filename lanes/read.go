@@ -32,6 +32,13 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		from := next
 		err := l.consume(ctx, &next, out, create)
 		switch {
+		case errors.Is(err, jetstream.ErrServerShutdown), errors.Is(err, errOnStoppingServer):
+			// The consumer's server is stopping. The next consumer may be placed on it again (the
+			// meta leader learns of the stop a moment later), and its creation then goes
+			// unanswered: give up on it soon.
+			create, timeouts = shutdownCreateTimeout, 0
+		case errors.Is(err, errCreateTimedOut) && create == shutdownCreateTimeout:
+			create, timeouts = consumerCreateTimeout, 0
 		case errors.Is(err, errCreateTimedOut):
 			// One lost creation is a dead server's; more in a row, a cluster slow to answer,
 			// which is not to be asked ever faster: from the second on, each waits twice as
@@ -88,10 +95,19 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
 // answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by
 // default, retries the same name for ever.)
+//
+// After a consumer's server said it is shutting down (409 Server Shutdown, which nats-server
+// sends the pending pull requests of its one-replica consumers before it stops), the next
+// creation waits shutdownCreateTimeout only: the meta leader may place the new consumer on the
+// stopping server before it learns of the stop, and that creation is never answered.
 const (
 	consumerCreateTimeout    = 2 * time.Second
 	maxConsumerCreateTimeout = 10 * time.Second
+	shutdownCreateTimeout    = 300 * time.Millisecond
 )
+
+// errOnStoppingServer reports a consumer created on a server that has said it is shutting down.
+var errOnStoppingServer = errors.New("lanes: the consumer was placed on a server that is shutting down")
 
 // errCreateTimedOut reports a consumer creation that got no answer in time.
 var errCreateTimedOut = errors.New("lanes: no answer to the creation of a consumer")
@@ -143,13 +159,23 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	cons, err := l.p.js.CreateConsumer(cctx, l.stream, cfg)
 	timedOut := cctx.Err() != nil && ctx.Err() == nil
 	cancel()
-	// Also when the create timed out: it may have been applied after all.
-	defer l.deleteConsumer(cfg.Name)
+	// Also when the create timed out: it may have been applied after all. In the background:
+	// the delete of a consumer whose server has just stopped waits seconds for an answer, and
+	// the next consumer must not wait for it.
+	defer l.deletes.Go(func() { l.deleteConsumer(cfg.Name) })
 	if err != nil && timedOut {
 		return fmt.Errorf("%w on %s within %v: %w", errCreateTimedOut, l.stream, createTimeout, err)
 	}
 	if err != nil {
 		return fmt.Errorf("creating a consumer on %s: %w", l.stream, err)
+	}
+	var host string
+	if ci := cons.CachedInfo(); ci != nil && ci.Cluster != nil {
+		host = ci.Cluster.Leader
+	}
+	if l.p.stopping(host) {
+		// Placed on a server that has said it is shutting down: it would vanish without a word.
+		return fmt.Errorf("%w: %s", errOnStoppingServer, host)
 	}
 	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
 	r.ctx, r.cancel = context.WithCancel(ctx)
@@ -166,6 +192,9 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	select {
 	case <-ctx.Done():
 	case why = <-r.failed:
+	}
+	if errors.Is(why, jetstream.ErrServerShutdown) {
+		l.p.stopped(host)
 	}
 	r.finish()
 	cc.Stop()
@@ -263,8 +292,22 @@ func (r *reader) handle(m jetstream.Msg) {
 
 // checkIncarnation returns [ErrIncomingRecreated] when the lane's stream is no longer the one the
 // lane fenced its checkpoint in.
+//
+// It asks the stream's leader, which a server stopping gracefully has just handed over: a request
+// on its way to the old one is never answered, so each attempt waits incarnationAttempt, and a
+// timed-out one is made again while ctx lasts, up to incarnationAttempts times.
 func (l *lane) checkIncarnation(ctx context.Context) error {
-	inc, _, err := l.p.incoming(ctx, l.stream)
+	var inc string
+	var err error
+	for range incarnationAttempts {
+		actx, cancel := context.WithTimeout(ctx, incarnationAttempt)
+		inc, _, err = l.p.incoming(actx, l.stream)
+		timedOut := actx.Err() != nil && ctx.Err() == nil
+		cancel()
+		if err == nil || !timedOut {
+			break
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -273,6 +316,13 @@ func (l *lane) checkIncarnation(ctx context.Context) error {
 	}
 	return nil
 }
+
+// incarnationAttempt bounds one read of the stream's incarnation by a new consumer's first
+// delivery, and incarnationAttempts how many are made before the consumer is given up.
+const (
+	incarnationAttempt  = 500 * time.Millisecond
+	incarnationAttempts = 10
+)
 
 // feedLen is how many consumed messages the reader may hand on before the lane takes them.
 const feedLen = 64

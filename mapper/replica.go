@@ -122,6 +122,39 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	return ttl, nil
 }
 
+// DefaultJudgedExpiry is how long of writable time an owner may stay silent on a replicated
+// control bucket before the others take its partitions over, when every output stream is fenced
+// and the lanes check the fence on every write (election.Config.JudgedExpiry).
+const DefaultJudgedExpiry = 2 * time.Second
+
+// judgedExpiry returns the judged expiry to run with: the configured one, or
+// [DefaultJudgedExpiry] when it is safe and worth it — a replicated control bucket, whose 15 s
+// lease TTL a takeover would otherwise wait for, and writes that the output streams fence
+// (setup recorded the fences, and the lanes check them on every write) — else 0 (off). A judged
+// expiry asked for where the writes are not fenced is refused: it would let a deposed owner
+// write beside its successor.
+func judgedExpiry(ctx context.Context, control jetstream.KeyValue, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
+	lp, ok := pool.(*lanes.Pool)
+	checked := ok && lp.WritesChecked()
+	if ecfg.JudgedExpiry != 0 {
+		if !checked {
+			return 0, fmt.Errorf("%w: a judged expiry needs output streams that refuse a deposed owner: stream mode, fences recorded by setup on a cluster, and a writer that checks them", ErrInvalidConfig)
+		}
+		return ecfg.JudgedExpiry, nil
+	}
+	st, err := control.Status(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
+	}
+	bs, _ := st.(*jetstream.KeyValueBucketStatus)
+	if bs == nil || bs.StreamInfo().Config.Replicas < 2 || !checked {
+		return 0, nil
+	}
+	log.Info().Dur("judged_expiry", DefaultJudgedExpiry).
+		Msg("output streams fenced: a replica silent for this long while the control bucket takes writes has its partitions taken over")
+	return DefaultJudgedExpiry, nil
+}
+
 // New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
 // the components; it blocks for up to 30 s on setup. Errors from a configuration the components
 // refuse wrap [ErrInvalidConfig], as does a Setup.StreamLayout of subjects.AutoLayout: resolve
@@ -209,6 +242,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		lcfg.Outgoing, lcfg.Unmapped = names.Outgoing, names.Unmapped
+		// The output streams setup fenced: each lane writes its record there on takeover.
+		if lcfg.Fences, err = setup.ReadFences(ctx, control); err != nil {
+			return nil, err
+		}
 		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 			return nil, err
 		}
@@ -224,6 +262,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	}
 	ecfg := cfg.Election
 	if ecfg.LeaseTTL, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
+		return nil, err
+	}
+	if ecfg.JudgedExpiry, err = judgedExpiry(ctx, control, ecfg, pool, log); err != nil {
 		return nil, err
 	}
 	r.leaseTTL = ecfg.LeaseTTL
@@ -268,7 +309,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 		})
 		defer stop()
-		return pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
+		err = pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID})
+		if errors.Is(err, fenced) && ctx.Err() == nil {
+			// Fenced by its output (a newer owner's record): the lease is that owner's now.
+			return fmt.Errorf("%w: %w", election.ErrLeaseLost, err)
+		}
+		return err
 	}, ecfg)
 	if err != nil {
 		return nil, invalid(err, election.ErrInvalidConfig)

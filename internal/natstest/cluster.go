@@ -39,6 +39,7 @@ type Cluster struct {
 	// links[i][j] carries the routes node i dials to node j.
 	links [][]*link
 	sink  *link // the address every node advertises: it refuses routes
+	mods  []func(*server.Options)
 }
 
 // node is one member of the cluster: its current server (replaced on restart) and what a
@@ -63,7 +64,7 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	if n < 1 {
 		t.Fatalf("natstest.StartCluster: %d nodes, want at least 1", n)
 	}
-	c := &Cluster{t: t, name: "kvmapper-test"}
+	c := &Cluster{t: t, name: "kvmapper-test", mods: mods}
 	// The store directories first: t.TempDir removes them in a cleanup of its own, which must
 	// run after the servers have stopped (cleanups run last registered, first run).
 	dirs := make([]string, n)
@@ -103,7 +104,6 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		for _, m := range mods {
 			m(o)
 		}
-		withSystemUser(o)
 		o.ServerName = nd.name
 		o.ClientAdvertise = nd.client.addr()
 		o.Cluster = server.ClusterOpts{
@@ -160,6 +160,16 @@ func (c *Cluster) start(i int) {
 	c.t.Helper()
 	nd := c.nodes[i]
 	o := *nd.opts
+	// The funcs again, on options of this start's own: what they make (an account with its
+	// mappings, say) holds a server's state and must not be shared with the server it replaces.
+	// The system account's user too, made afresh after them.
+	o.Accounts, o.Users, o.SystemAccount, o.NoAuthUser = nil, nil, "", ""
+	for _, m := range c.mods {
+		m(&o)
+	}
+	withSystemUser(&o)
+	o.StoreDir, o.ServerName, o.ClientAdvertise = nd.opts.StoreDir, nd.opts.ServerName, nd.opts.ClientAdvertise
+	o.Cluster, o.Routes = nd.opts.Cluster, nd.opts.Routes
 	o.Port, o.Cluster.Port = -1, -1
 	s, err := server.NewServer(&o)
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"errors"
@@ -16,11 +16,10 @@ import (
 // child process (bench.StartServer), so that the server's CPU is its own and the bench can read it.
 func serverCommand() *cli.Command {
 	return &cli.Command{
-		Name:   "server",
-		Usage:  "run only an embedded NATS server with JetStream until SIGINT or SIGTERM",
-		Hidden: true,
-		Description: "The server kvmapper bench starts for itself. With --cpuprofile, SIGUSR1 starts a CPU profile\n" +
-			"of the server and SIGUSR2 writes it.",
+		Name:        "server",
+		Usage:       "run only an embedded NATS server with JetStream until SIGINT or SIGTERM",
+		Hidden:      true,
+		Description: "With --cpuprofile, SIGUSR1 starts a CPU profile of the server and SIGUSR2 writes it.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port to listen on"},
 			&cli.StringFlag{Name: "data-dir", Value: "kvmapper-data", Usage: "JetStream data directory"},

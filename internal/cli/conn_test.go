@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -210,7 +210,7 @@ func TestConnFlagErrors(t *testing.T) {
 func TestConnMissingContextExitsWithUsageError(t *testing.T) {
 	writeContext(t, "other", map[string]any{})
 	var stdout, stderr bytes.Buffer
-	code := realMain([]string{"kvmapper", "setup", "--context", "nope"}, &stdout, &stderr)
+	code := Main([]string{"kvmapper", "setup", "--context", "nope"}, &stdout, &stderr, Build{})
 	if code != 2 || !strings.Contains(stderr.String(), "nope.json does not exist") {
 		t.Errorf("setup --context nope: exit %d, stderr %q; want 2 naming nope.json", code, stderr.String())
 	}
@@ -231,7 +231,7 @@ func TestConnErrorsHideSecrets(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
-			code := realMain(append([]string{"kvmapper", "setup", "--log-format", "json"}, args...), &stdout, &stderr)
+			code := Main(append([]string{"kvmapper", "setup", "--log-format", "json"}, args...), &stdout, &stderr, Build{})
 			if code != 1 {
 				t.Errorf("setup %v: exit %d, want 1; stderr %q", args, code, stderr.String())
 			}
@@ -245,7 +245,7 @@ func TestConnErrorsHideSecrets(t *testing.T) {
 	}
 	// Help shows no value read from the environment.
 	var stdout, stderr bytes.Buffer
-	if code := realMain([]string{"kvmapper", "run", "--help"}, &stdout, &stderr); code != 0 || strings.Contains(stdout.String(), secret) {
+	if code := Main([]string{"kvmapper", "run", "--help"}, &stdout, &stderr, Build{}); code != 0 || strings.Contains(stdout.String(), secret) {
 		t.Errorf("run --help with NATS_PASSWORD set: exit %d, shows the secret: %v", code, strings.Contains(stdout.String(), secret))
 	}
 }

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -25,16 +25,12 @@ import (
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-func runCommand() *cli.Command {
+func runCommand(version string) *cli.Command {
 	return &cli.Command{
 		Name:  "run",
 		Usage: "run one replica of the mapper (start it N times for failover)",
-		Description: "Creates or verifies the streams and buckets, loads the groups table, takes its share of the\n" +
-			"partitions and republishes INCOMING to OUTGOING until SIGINT or SIGTERM, when it drains,\n" +
-			"writes final checkpoints and hands its partitions over. With --mode direct there is no INCOMING:\n" +
-			"each partition's owner republishes what devices publish as it arrives, with the device's reply\n" +
-			"subject, and on SIGTERM hands each partition to its next owner without losing an acknowledgement.\n\n" +
-			"   First run on a machine with only Go:  go run . run --embedded",
+		Description: "Drains and hands its partitions over on SIGINT or SIGTERM (docs/flags.md#commands).\n" +
+			"First run on a machine with only Go:  go run . run --embedded",
 		Flags: flags(connFlags(), in(catConnection,
 			&cli.BoolFlag{Name: "embedded", Usage: "start an embedded NATS server with JetStream on --listen"},
 			&cli.StringFlag{Name: "listen", Value: "127.0.0.1:4222", Usage: "host:port of the embedded server"},
@@ -58,23 +54,19 @@ func runCommand() *cli.Command {
 			&cli.IntFlag{Name: "max-in-flight", Value: 4096, Usage: "publishes awaiting acknowledgement, all partitions together"},
 			&cli.Int64Flag{Name: "max-in-flight-bytes", Value: 64 << 20, Usage: "bytes of publishes awaiting acknowledgement, all partitions together"},
 			&cli.DurationFlag{Name: "park-max-age", Value: 24 * time.Hour, Usage: "parked messages older than this are dead-lettered as park-expired (0: never)"},
-		), logFlags()),
-		Action: runAction,
+		), logFlags("info")),
+		Action: func(c *cli.Context) error { return runAction(c, version) },
 	}
 }
 
 func setupCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "setup",
-		Usage: "create or verify the streams and buckets, and say what it did",
-		Description: "Idempotent: creates what is missing and checks what exists. It never changes an existing\n" +
-			"stream or bucket; a mismatch (say INCOMING built for another partition count) is an error naming the fix.\n" +
-			"With --layout auto (the default) it gives a new deployment the partition streams when the server's\n" +
-			"account mapping is active, else the single stream, and records the layout in the control bucket,\n" +
-			"where every other command reads it.",
+		Name:        "setup",
+		Usage:       "create or verify the streams and buckets, and say what it did",
+		Description: "Idempotent; it never changes an existing stream or bucket (docs/flags.md#commands).",
 		Flags: flags(connFlags(), layoutFlags(), in(catNames, groupsHistoryFlag()), parkFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "no-balance-leaders", Usage: "leave the partition streams' leaders where JetStream elected them"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: func(c *cli.Context) error {
 			cm, err := parseCommon(c)
 			if err != nil {
@@ -95,7 +87,8 @@ func setupCommand() *cli.Command {
 	}
 }
 
-func runAction(c *cli.Context) error {
+// runAction runs one replica that reports version.
+func runAction(c *cli.Context, version string) error {
 	cm, err := parseCommon(c)
 	if err != nil {
 		return err

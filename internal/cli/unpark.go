@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"errors"
@@ -18,21 +18,14 @@ import (
 
 func unparkCommand() *cli.Command {
 	return &cli.Command{
-		Name:      "unpark",
-		Usage:     "release or drop a parked device's messages by hand",
-		ArgsUsage: "DEVICE...",
-		Description: "Asks the owner of each device's partition, through the key unpark.<partition>.<device> in the\n" +
-			"control bucket, to empty the device's park now: each parked message is republished with the\n" +
-			"device's group, or dead-lettered to UNMAPPED with reason no-mapping when it has none; with --drop\n" +
-			"every one is dead-lettered with reason park-dropped. The owner deletes the key once done; the\n" +
-			"request survives a failover (the partition's next owner acts on it). Without a group, the\n" +
-			"device's next message is parked again: give it a group to stop parking it.\n\n" +
-			"   kvmapper unpark dev-42            release dev-42's parked messages now\n" +
-			"   kvmapper unpark --drop dev-42     dead-letter them",
+		Name:        "unpark",
+		Usage:       "release or drop a parked device's messages by hand",
+		ArgsUsage:   "DEVICE...",
+		Description: "The owner of each device's partition acts on it, or its next owner after a failover (docs/parking.md).",
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "drop", Usage: "dead-letter the parked messages (reason park-dropped) instead of releasing them"},
 			&cli.DurationFlag{Name: "wait", Value: 30 * time.Second, Usage: "how long to wait for the owner to act (0: do not wait)"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: unparkAction,
 	}
 }

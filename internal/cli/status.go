@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"io"
@@ -16,24 +16,16 @@ import (
 
 func statusCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "status",
-		Usage: "show partitions (owner, epoch, checkpoint, lag, rate), replicas and the groups bucket",
-		Description: "Reads NATS only, so it works from any machine that reaches the servers: the control bucket\n" +
-			"(leases, members, checkpoints), INCOMING and the groups bucket, and asks each replica for its\n" +
-			"report on its status endpoint (the \"kvmapper\" NATS micro service). A partition's lag comes from\n" +
-			"its owner's report, else it is counted in INCOMING after the partition's checkpoint. The rate is\n" +
-			"the progress between two samples --rate-window apart (or between refreshes with --watch).\n" +
-			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING: it shows\n" +
-			"OUTGOING and UNMAPPED instead, and each partition's lag as its owner reports it.\n\n" +
-			"   kvmapper status --watch     refresh every --interval\n" +
-			"   kvmapper status --json      one JSON document (with --watch: one per line)",
+		Name:        "status",
+		Usage:       "show partitions (owner, epoch, checkpoint, lag, rate), replicas and the groups bucket",
+		Description: "Reads NATS only, so it works from any machine that reaches the servers (docs/observe.md).",
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "json", Usage: "print JSON instead of tables"},
 			&cli.BoolFlag{Name: "watch", Aliases: []string{"w"}, Usage: "refresh in place every --interval until interrupted"},
 			&cli.DurationFlag{Name: "interval", Value: 2 * time.Second, Usage: "refresh interval of --watch"},
 			&cli.DurationFlag{Name: "rate-window", Value: time.Second, Usage: "without --watch: time between the two samples the rate is taken from (0: no rate)"},
 			&cli.DurationFlag{Name: "timeout", Value: time.Second, Usage: "how long to wait for each replica's report and each stream's info"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: statusAction,
 	}
 }

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -28,7 +28,7 @@ func TestBenchFlagsRefused(t *testing.T) {
 			// A server nobody listens on: a check that let the command through would fail
 			// at once, not start a server.
 			args := append([]string{"kvmapper", "bench", "--server", "nats://127.0.0.1:1"}, tc.args...)
-			err := newApp(&out, &errOut).Run(args)
+			err := newApp(&out, &errOut, Build{}).Run(args)
 			var ue usageError
 			if !errors.As(err, &ue) || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("kvmapper bench %v: %v, want a usage error containing %q", tc.args, err, tc.want)

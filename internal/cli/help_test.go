@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -15,7 +15,7 @@ import (
 // short line (the long explanations are in docs/).
 func TestHelpGroupsEveryFlag(t *testing.T) {
 	groups := []string{catConnection, catNames, catBehaviour, catLimits}
-	app := newApp(io.Discard, io.Discard)
+	app := newApp(io.Discard, io.Discard, Build{})
 	for _, c := range app.Commands {
 		if c.Hidden {
 			continue
@@ -33,7 +33,7 @@ func TestHelpGroupsEveryFlag(t *testing.T) {
 			}
 		}
 		var out bytes.Buffer
-		if err := newApp(&out, io.Discard).Run([]string{"kvmapper", c.Name, "--help"}); err != nil {
+		if err := newApp(&out, io.Discard, Build{}).Run([]string{"kvmapper", c.Name, "--help"}); err != nil {
 			t.Fatalf("kvmapper %s --help: %v", c.Name, err)
 		}
 		for g := range used {

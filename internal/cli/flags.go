@@ -1,6 +1,7 @@
-package main
+package cli
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -88,9 +89,10 @@ func parkFlags() []cli.Flag {
 	)...)
 }
 
-func logFlags() []cli.Flag {
+// logFlags are --log-level, of default level, and --log-format.
+func logFlags(level string) []cli.Flag {
 	return in(catBehaviour,
-		&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error"},
+		&cli.StringFlag{Name: "log-level", Value: level, Usage: "debug, info, warn or error"},
 		&cli.StringFlag{Name: "log-format", Usage: "console or json (default: console on a terminal, else json)"},
 	)
 }
@@ -143,28 +145,17 @@ func layout(c *cli.Context) (*subjects.Layout, error) {
 	return lay, nil
 }
 
+// setupConfig maps the layout, parking and --groups-history flags onto a setup.Config with its
+// defaults; a value setup.Config.Validate refuses is a usage error.
 func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
-	if r := c.Int("stream-replicas"); r < 1 || r > 5 {
-		return setup.Config{}, usagef("invalid value %d for flag --stream-replicas: must be 1 to 5", r)
-	}
-	sl := subjects.AutoLayout
-	if v := c.String("layout"); v != string(subjects.AutoLayout) && v != "" {
-		var err error
-		if sl, err = subjects.ParseStreamLayout(v); err != nil {
-			return setup.Config{}, usagef("invalid value %q for flag --layout: use %s, %s or %s", v, subjects.AutoLayout, subjects.SingleStream, subjects.PartitionStreams)
-		}
-	}
-	mode, err := wire.ParseMode(c.String("mode"))
+	// Only setup and run have the parking flags; elsewhere on-unmapped reads "".
+	onUnmapped, err := setup.ParseOnUnmapped(c.String("on-unmapped"))
 	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --mode: use %s or %s", c.String("mode"), wire.ModeStream, wire.ModeDirect)
-	}
-	receive, err := wire.ParseReceive(c.String("direct-receive"))
-	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --direct-receive: use %s or %s", c.String("direct-receive"), wire.ReceiveMapping, wire.ReceiveAll)
+		return setup.Config{}, usageError{err}
 	}
 	cfg := setup.Config{
-		Mode:    mode,
-		Receive: receive,
+		Mode:    wire.Mode(c.String("mode")),
+		Receive: wire.Receive(c.String("direct-receive")),
 		Layout:  lay,
 		Names: subjects.Names{
 			Incoming:     c.String("incoming-stream"),
@@ -172,7 +163,7 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 			Unmapped:     c.String("unmapped-stream"),
 			Groups:       c.String("groups-bucket"),
 			Control:      c.String("control-bucket"),
-			StreamLayout: sl,
+			StreamLayout: subjects.StreamLayout(cmp.Or(c.String("layout"), string(subjects.AutoLayout))),
 			Parked:       c.String("parked-stream"),
 			ParkedPrefix: c.String("parked-prefix"),
 		},
@@ -180,32 +171,12 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 		// Only setup and run have the flag; elsewhere it reads 0, which checks nothing.
 		GroupsHistory: c.Int("groups-history"),
 	}
-	if h := cfg.GroupsHistory; h < 0 || h > setup.MaxGroupsHistory {
-		return setup.Config{}, usagef("invalid value %d for flag --groups-history: a bucket keeps 1 to %d values per key", h, setup.MaxGroupsHistory)
-	}
-	for _, name := range []string{"parked-stream", "parked-prefix"} {
-		if v := c.String(name); strings.ContainsAny(v, " \t\r\n*>") || strings.HasPrefix(v, ".") || strings.HasSuffix(v, ".") || strings.Contains(v, "..") {
-			return setup.Config{}, usagef("invalid value %q for flag --%s: want a name without white space, wildcards or empty tokens", v, name)
-		}
-	}
-	// Only setup and run have the parking flags; elsewhere on-unmapped reads "".
-	onUnmapped, err := setup.ParseOnUnmapped(c.String("on-unmapped"))
-	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --on-unmapped: use %s or %s", c.String("on-unmapped"), setup.OnUnmappedDeadLetter, setup.OnUnmappedPark)
-	}
 	if onUnmapped == setup.OnUnmappedPark {
-		if cfg.Mode == wire.ModeDirect {
-			return setup.Config{}, usagef("--on-unmapped park needs --mode stream: in direct mode no stream holds a device's messages, so nothing can keep the parked ones in order")
-		}
-		per, total := c.Int64("park-max-per-device"), c.Int64("park-max-total")
-		if per < 1 {
-			return setup.Config{}, usagef("invalid value %d for flag --park-max-per-device: at least 1", per)
-		}
-		if total < per {
-			return setup.Config{}, usagef("invalid value %d for flag --park-max-total: at least --park-max-per-device (%d)", total, per)
-		}
-		cfg.Park = &setup.ParkedStream{MaxPerDevice: per, MaxTotal: total,
+		cfg.Park = &setup.ParkedStream{MaxPerDevice: c.Int64("park-max-per-device"), MaxTotal: c.Int64("park-max-total"),
 			CheckLimits: c.IsSet("park-max-per-device") || c.IsSet("park-max-total")}
+	}
+	if err := cfg.Validate(); err != nil {
+		return setup.Config{}, usageError{err}
 	}
 	cfg.Defaults()
 	return cfg, nil

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"fmt"
@@ -19,14 +19,8 @@ func replayCommand() *cli.Command {
 		Name:      "replay",
 		Usage:     "republish a range of INCOMING through the mapping, as of any groups revision, into a stream of your choice",
 		ArgsUsage: " ",
-		Description: "Reads the range with its own ordered consumer (the running replicas are not disturbed) and publishes\n" +
-			"each message, in each device's order, onto --out in --into, or as a dead letter onto --dead-letters.\n" +
-			"Nats-Msg-Ids derive from the replay's identity and the message's INCOMING sequence, and progress is\n" +
-			"kept in the control bucket (replay.<id>): the same command run again resumes, storing nothing twice.\n" +
-			"Progress: a bar on a terminal, one JSON object per second otherwise.\n\n" +
-			"   kvmapper replay --from-time 2h --into REPLAY --create                 the last two hours\n" +
-			"   kvmapper replay --from-seq 1 --to-seq 5000 --as-of 41 --into REPLAY   with the groups table of revision 41\n" +
-			"   kvmapper replay --from-time 1h --into REPLAY --dry-run                counts per group, publishes nothing",
+		Description: "Run again, it resumes, storing nothing twice (docs/replay.md).\n" +
+			"The last two hours:  kvmapper replay --from-time 2h --into REPLAY --create",
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.Uint64Flag{Name: "from-seq", Usage: "first INCOMING sequence of the range (with --layout streams: of the stream of --partition)"},
 			&cli.StringFlag{Name: "from-time", Usage: "start of the range: RFC 3339 time, or a duration meaning that long ago (2h)"},
@@ -48,7 +42,7 @@ func replayCommand() *cli.Command {
 		), in(catLimits,
 			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)"},
 			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: replayAction,
 	}
 }

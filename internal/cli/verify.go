@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"errors"
@@ -17,22 +17,14 @@ import (
 
 func verifyCommand() *cli.Command {
 	return &cli.Command{
-		Name:  "verify",
-		Usage: "audit OUTGOING and UNMAPPED against INCOMING: order, duplicates, gaps",
-		Description: "Reads OUTGOING and UNMAPPED completely (headers only) and checks them against the range INCOMING\n" +
-			"holds when it starts: every INCOMING message is in exactly one of them (no gap, no duplicate), each\n" +
-			"device's messages are in INCOMING order within each stream, and no partition's epoch goes back\n" +
-			"(a deposed owner's write). Messages held in PARKED (--on-unmapped park) count as parked, not\n" +
-			"missing. Exits 0 when all holds, 1 with a report when not. Messages another\n" +
-			"publisher wrote (no kvmapper Nats-Msg-Id) are reported as foreign but do not fail the audit.\n" +
-			"In direct mode (--mode direct, or a control bucket marked so by setup) there is no INCOMING to audit\n" +
-			"against: verify refuses and says what to check instead.\n\n" +
-			"   Against a mapper still catching up:  kvmapper verify --wait 30s",
+		Name:        "verify",
+		Usage:       "audit OUTGOING and UNMAPPED against INCOMING: order, duplicates, gaps",
+		Description: "Exits 0 when every INCOMING message is in one output once, in order; 1 with a report (docs/verify.md).",
 		Flags: flags(connFlags(), layoutFlags(), in(catBehaviour,
 			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON"},
 			&cli.DurationFlag{Name: "wait", Usage: "when messages are missing, keep reading the outputs this long for them to arrive"},
 			&cli.IntFlag{Name: "max-findings", Value: 20, Usage: "examples shown per kind of problem"},
-		), logFlags()),
+		), logFlags("info")),
 		Action: verifyAction,
 	}
 }
