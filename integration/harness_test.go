@@ -258,9 +258,21 @@ func (m *mapper) kill() {
 // stop sends SIGTERM and waits up to 30s for a clean exit.
 func (m *mapper) stop() {
 	m.t.Helper()
+	m.term()
+	m.waitExit()
+}
+
+// term sends SIGTERM.
+func (m *mapper) term() {
+	m.t.Helper()
 	if err := m.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		m.t.Fatalf("SIGTERM %s: %v", m.id, err)
 	}
+}
+
+// waitExit waits up to 30s for a clean exit after SIGTERM.
+func (m *mapper) waitExit() {
+	m.t.Helper()
 	select {
 	case <-m.done:
 	case <-time.After(30 * time.Second):

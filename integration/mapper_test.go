@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestSetupIsIdempotentAndRefusesAMismatch(t *testing.T) {
@@ -196,10 +197,26 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 		ld.publish(devs, 100)
 		first := ld.total()
 		w := e.tapWire()
-		m1 := e.startMapper("m1")
-		// SIGTERM the moment the mapper has sent 2000 of the backlog: mid-stream.
-		w.await(2000, 60*time.Second)
-		m1.stop() // drains what is in flight and writes the final checkpoints
+		// Mid-stream by construction: m1 reaches the server through a proxy that forwards its
+		// first 2000 publishes to OUTGOING and holds the next, until m1 has begun its graceful
+		// stop; then what it held goes through, and m1 drains it and writes its final
+		// checkpoints. With 64 publishes in flight at most, m1 then stops inside every
+		// partition it was mapping (about 625 messages each).
+		px := newProxy(t, "127.0.0.1:"+strconv.Itoa(e.srv.Port()))
+		px.HoldAfter("outgoing.", 2000)
+		m1 := e.startMapper("m1", "--server", px.URL(), "--max-in-flight", "64")
+		if n, _ := px.WaitHeld(1, 60*time.Second); n == 0 {
+			t.Fatal("m1 sent nothing beyond its first 2000 publishes within 60s")
+		}
+		m1.term()
+		natstest.Eventually(t, 30*time.Second, func() error {
+			if _, err := e.ctl.Get(context.Background(), wire.MemberKey("m1")); err == nil {
+				return errors.New("m1 has not begun to leave (its member key is there)")
+			}
+			return nil
+		})
+		px.Release()
+		m1.waitExit() // drains what is in flight and writes the final checkpoints
 		mapped1, dup1 := m1.stoppedStats()
 		w.marker()          // every publish of m1 is recorded
 		m1Sent := w.count() // m2 sends the publishes recorded after these
