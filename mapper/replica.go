@@ -230,11 +230,13 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	}
 	var pool engine
 	fenced := lanes.ErrFenced
+	catchUp := table.CatchUp
 	if cfg.Setup.Mode == wire.ModeDirect {
 		if r.direct, err = newDirect(js.Conn(), lookup, table, control, cfg); err != nil {
 			return nil, invalid(err, direct.ErrInvalidConfig)
 		}
 		pool, fenced = directEngine{r.direct}, direct.ErrFenced
+		catchUp = func(context.Context) error { return nil }
 	} else {
 		lcfg := cfg.Lanes
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
@@ -282,8 +284,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
-		// to the old group (I4). The lease stays held while the table catches up.
-		if err := table.CatchUp(ctx); err != nil {
+		// to the old group (I4). The lease stays held while the table catches up. In direct
+		// mode the pool catches up itself, once it has subscribed and announced itself: waiting
+		// here, before it subscribes, would leave the previous owner nobody to hand over to, and
+		// the devices' messages meanwhile no PubAck.
+		if err := catchUp(ctx); err != nil {
 			if ctx.Err() != nil {
 				log.Info().Err(err).Int("partition", l.Partition).
 					Msg("partition ended before the groups table caught up")
