@@ -14,6 +14,7 @@ import (
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -122,7 +123,7 @@ func TestFullQueueDropsAndGoesOn(t *testing.T) {
 	f.groups.set("dev-1", "g")
 	gate, entered := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	lookup := func(device string) (string, uint64, string) {
+	lookup := func(device string) subjects.Mapping {
 		if device == "dev-1" {
 			once.Do(func() { close(entered); <-gate })
 		}
@@ -180,7 +181,7 @@ func TestFullQueueByBytesDropsAndGoesOn(t *testing.T) {
 	f.groups.set("dev-1", "g")
 	gate, entered := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	lookup := func(device string) (string, uint64, string) {
+	lookup := func(device string) subjects.Mapping {
 		if device == "dev-1" {
 			once.Do(func() { close(entered); <-gate })
 		}

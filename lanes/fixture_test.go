@@ -18,16 +18,18 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-// groups is a device → group table for tests, standing in for package kv.
+// groups is a device → value table for tests, decoding values as package kv does.
 type groups struct {
-	mu sync.RWMutex
-	m  map[string]string
+	mu     sync.RWMutex
+	m      map[string]string
+	schema *subjects.Schema // nil: subjects.GroupSchema
 }
 
 func (g *groups) set(device, group string) {
@@ -36,17 +38,15 @@ func (g *groups) set(device, group string) {
 	g.mu.Unlock()
 }
 
-func (g *groups) lookup(device string) (string, uint64, string) {
+func (g *groups) lookup(device string) subjects.Mapping {
 	g.mu.RLock()
-	grp, ok := g.m[device]
+	v, ok := g.m[device]
+	sc := g.schema
 	g.mu.RUnlock()
-	switch {
-	case !ok:
-		return "", 0, wire.ReasonNoMapping
-	case subjects.ValidToken(grp) != nil:
-		return "", 7, wire.ReasonInvalidGroup
+	if !ok {
+		return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 	}
-	return grp, 7, ""
+	return kv.DecodeEntry(sc, []byte(v), 7).Mapping()
 }
 
 type fixture struct {

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
+	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -189,11 +190,11 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		e.skip, e.acked = true, true
 		return e
 	}
-	var group, reason, why string
-	var rev uint64
+	var mp subjects.Mapping
+	var reason, why string
 	switch d.mode {
 	case drainRelease:
-		if group, rev, reason = l.p.lookup(d.dev.name); reason != "" {
+		if mp = l.p.lookup(d.dev.name); !mp.Mapped() {
 			return nil
 		}
 	case drainExpire:
@@ -202,7 +203,8 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		}
 		reason = wire.ReasonParkExpired
 	case drainForce:
-		group, rev, reason = l.p.lookup(d.dev.name)
+		mp = l.p.lookup(d.dev.name)
+		reason, why = mp.Reason(), mp.Detail()
 	case drainDrop:
 		reason = wire.ReasonParkDropped
 	}
@@ -216,7 +218,7 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		reason, why = wire.ReasonMalformedSubject, err.Error()
 		subject = lay.MalformedSubject()
 	} else if reason == "" {
-		subject = string(lay.AppendOut(l.buf[:0], &l.fields, group))
+		subject = string(lay.AppendOut(l.buf[:0], &l.fields, mp.Values))
 	} else {
 		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))
 	}
@@ -224,15 +226,21 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 	data := m.Data()
 	if reason == "" {
 		delete(hdr, wire.HeaderSubject)
+		for i := range lay.NumHeaders() {
+			hdr[lay.HeaderName(i)] = []string{string(lay.AppendHeader(l.buf[:0], i, &l.fields, mp.Values))}
+		}
 		if !l.p.cfg.NoProvenance {
 			hdr[wire.HeaderPartition] = l.partHdr
 			hdr[wire.HeaderEpoch] = l.epochHdr
-			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
+			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(mp.Revision, 10)}
 		}
 	} else {
 		delete(hdr, wire.HeaderRevision)
 		hdr[wire.HeaderSubject] = []string{stored}
 		l.deadHeaders(hdr, reason, why)
+		if mp.Field() != "" && reason == mp.Reason() {
+			hdr[wire.HeaderField] = []string{mp.Field()}
+		}
 		if reason == wire.ReasonOversized {
 			data = nil // what did not fit; it stays in INCOMING under the sequence in its Nats-Msg-Id
 		}

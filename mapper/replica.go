@@ -195,6 +195,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		metricsListen: cfg.MetricsListen, version: cfg.Version}
 	tcfg := cfg.Table
 	tcfg.Logger = log.With().Str("component", "kv").Logger()
+	if tcfg.Schema == nil && cfg.Lanes.Layout != nil {
+		tcfg.Schema = cfg.Lanes.Layout.Schema() // the table decodes values once, for these templates
+	}
 	next := tcfg.OnUpdate
 	tcfg.OnUpdate = func(u kv.Update) {
 		if !u.Initial {
@@ -218,16 +221,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
-	lookup := func(device string) (string, uint64, string) {
-		e, ok := table.Lookup(device)
-		if !ok {
-			return "", 0, wire.ReasonNoMapping
-		}
-		if e.Invalid {
-			return "", e.Revision, wire.ReasonInvalidGroup
-		}
-		return e.Group, e.Revision, ""
-	}
+	lookup := table.Mapping
 	var pool engine
 	fenced := lanes.ErrFenced
 	catchUp := table.CatchUp
@@ -556,7 +550,7 @@ func (r *Replica) report() status.Report {
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
 			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
-		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
+		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision(), Invalid: r.table.Invalid()},
 	}
 	for _, p := range parts {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{
