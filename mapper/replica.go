@@ -270,7 +270,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	} else {
 		ecfg.OnChange = r.observeChange
 	}
-	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
+	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) (err error) {
+		defer func() {
+			if errors.Is(err, fenced) || errors.Is(context.Cause(ctx), election.ErrLeaseLost) {
+				r.metrics.ObserveFenced()
+			}
+		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
 		// to the old group (I4). The lease stays held while the table catches up.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvmapper/kvmapper/internal/usage"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -48,7 +49,7 @@ func ParseOnUnmapped(s string) (OnUnmapped, error) {
 	case OnUnmappedPark:
 		return o, nil
 	}
-	return "", fmt.Errorf("%w: on-unmapped %q: use %s or %s", ErrInvalidConfig, s, OnUnmappedDeadLetter, OnUnmappedPark)
+	return "", usage.Value(ErrInvalidConfig, "on-unmapped", s, "use %s or %s", OnUnmappedDeadLetter, OnUnmappedPark)
 }
 
 // Default limits of a PARKED stream.
@@ -71,12 +72,6 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	pc := *cfg.Park
 	pc.defaults()
 	subject := cfg.ParkedPrefix + ".>"
-	switch {
-	case pc.MaxPerDevice < 1:
-		return "", fmt.Errorf("%w: a parked device must be allowed at least one message, not %d", ErrInvalidConfig, pc.MaxPerDevice)
-	case pc.MaxTotal < pc.MaxPerDevice:
-		return "", fmt.Errorf("%w: the total park limit %d is below the per-device limit %d", ErrInvalidConfig, pc.MaxTotal, pc.MaxPerDevice)
-	}
 	want := jetstream.StreamConfig{
 		Name:                 cfg.Parked,
 		Description:          "kvmapper: messages of devices parked until they have a group, one subject per device",

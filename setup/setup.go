@@ -75,7 +75,7 @@ const DefaultGroupsHistory = 5
 // MaxGroupsHistory is the most values per key a KV bucket keeps (nats.go's KeyValueMaxHistory).
 const MaxGroupsHistory = jetstream.KeyValueMaxHistory
 
-// Defaults fills in the zero fields of c.
+// Defaults fills in the zero fields of c, and of the ParkedStream c.Park points to (in a copy).
 func (c *Config) Defaults() {
 	c.Names = c.Names.WithDefaults()
 	if c.Replicas == 0 {
@@ -93,6 +93,11 @@ func (c *Config) Defaults() {
 	if c.Receive == "" {
 		c.Receive = wire.ReceiveMapping
 	}
+	if c.Park != nil {
+		p := *c.Park
+		p.defaults()
+		c.Park = &p
+	}
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
@@ -106,20 +111,11 @@ func (c *Config) Defaults() {
 // [wire.LayoutKey], with one more report line.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
 	cfg.Defaults()
-	if cfg.Layout == nil {
-		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
-	}
-	if _, err := wire.ParseMode(string(cfg.Mode)); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
-	}
-	if _, err := wire.ParseReceive(string(cfg.Receive)); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	if cfg.DuplicateWindow < MinDuplicateWindow {
 		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
-	}
-	if cfg.GroupsHistory < 0 || cfg.GroupsHistory > MaxGroupsHistory {
-		return nil, fmt.Errorf("%w: groups history %d: a bucket keeps 1 to %d values per key", ErrInvalidConfig, cfg.GroupsHistory, MaxGroupsHistory)
 	}
 	if cfg.Mode == wire.ModeStream {
 		choice, err := ChooseLayout(ctx, js, cfg)
