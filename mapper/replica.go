@@ -300,7 +300,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 		})
 		defer stop()
-		err := pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID})
+		err = pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID})
 		if errors.Is(err, fenced) && ctx.Err() == nil {
 			// Fenced by its output (a newer owner's record): the lease is that owner's now.
 			return fmt.Errorf("%w: %w", election.ErrLeaseLost, err)
