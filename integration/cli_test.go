@@ -22,6 +22,7 @@ func runCLI(t *testing.T, args ...string) (string, string, int) {
 	} else if err != nil {
 		t.Fatalf("running kvmapper %v: %v", args, err)
 	}
+	checkRaces(t, strings.Join(args, " "), errb.String())
 	return out.String(), errb.String(), code
 }
 

@@ -46,6 +46,8 @@ type clusterEnv struct {
 	reps  []*replica.Replica
 	logs  []*logBuf // each replica's log, JSON lines at info level and above
 	stops []func()
+	// strays are devices of the load without a group: their messages go to UNMAPPED.
+	strays []string
 }
 
 // runDefaults are the lane and election settings `kvmapper run` passes when no flag is given;
@@ -500,16 +502,17 @@ func until(windows []window, t time.Time) {
 	}
 }
 
-// check waits until OUTGOING holds a copy of every INCOMING message, then compares them
-// message by message: for each device, OUTGOING must hold exactly INCOMING's payloads in
-// INCOMING's order (no loss, duplicate or reorder), UNMAPPED nothing, and no replica may have
-// counted a reorder. It then reports, for each window, the largest gap between consecutive
-// OUTGOING messages (the server's timestamps) and fails when one is above its bound.
+// check waits until OUTGOING and UNMAPPED hold a copy of every INCOMING message, then compares
+// them message by message: for each device, OUTGOING (UNMAPPED for the strays, as no-mapping)
+// must hold exactly INCOMING's payloads in INCOMING's order (no loss, duplicate or reorder), and
+// no replica may have counted a reorder. It then reports, for each window, the largest gap
+// between consecutive OUTGOING messages (the server's timestamps) and fails when one is above
+// its bound.
 func (e *clusterEnv) check(total int, windows []window) {
 	e.t.Helper()
 	natstest.Eventually(e.t, 2*time.Minute, func() error {
-		if got := e.count(e.names.Outgoing); got < uint64(total) {
-			return fmt.Errorf("OUTGOING holds %d messages, want %d", got, total)
+		if got := e.count(e.names.Outgoing) + e.count(e.names.Unmapped); got < uint64(total) {
+			return fmt.Errorf("OUTGOING and UNMAPPED hold %d messages, want %d", got, total)
 		}
 		return nil
 	})
@@ -532,11 +535,15 @@ func (e *clusterEnv) check(total int, windows []window) {
 		e.t.Errorf("INCOMING holds %d messages, the generator had %d taken", n, total)
 	}
 	out := e.read(e.names.Outgoing)
+	dead := e.read(e.names.Unmapped)
 	got := map[string][]string{}
 	times := make([]time.Time, len(out))
 	delays := make([]time.Duration, len(out)) // from INCOMING's copy to OUTGOING's
 	for i, m := range out {
 		dev, _, _ := strings.Cut(string(m.Data()), ":")
+		if slices.Contains(e.strays, dev) {
+			e.t.Errorf("OUTGOING holds %s on %s: %s has no group", m.Data(), m.Subject(), dev)
+		}
 		got[dev] = append(got[dev], string(m.Data()))
 		md, err := m.Metadata()
 		if err != nil {
@@ -547,6 +554,19 @@ func (e *clusterEnv) check(total int, windows []window) {
 			delays[i] = md.Timestamp.Sub(in)
 		}
 	}
+	deadTimes := make([]time.Time, len(dead))
+	for i, m := range dead {
+		dev, _, _ := strings.Cut(string(m.Data()), ":")
+		if !slices.Contains(e.strays, dev) || m.Headers().Get(wire.HeaderReason) != wire.ReasonNoMapping {
+			e.t.Errorf("UNMAPPED holds %s (%s), want only the strays' messages, as no-mapping", m.Data(), m.Headers().Get(wire.HeaderReason))
+		}
+		got[dev] = append(got[dev], string(m.Data()))
+		md, err := m.Metadata()
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		deadTimes[i] = md.Timestamp
+	}
 	// Per device: every INCOMING message exactly once, and as few reorders as possible — a
 	// message stored after a later one of its device, counted as kvmapper_reorders_total counts
 	// them. Reorders may only come from a step-down of an output stream's leader (see
@@ -556,6 +576,10 @@ func (e *clusterEnv) check(total int, windows []window) {
 	for i, m := range out {
 		dev, _, _ := strings.Cut(string(m.Data()), ":")
 		gotAt[dev] = append(gotAt[dev], times[i])
+	}
+	for i, m := range dead {
+		dev, _, _ := strings.Cut(string(m.Data()), ":")
+		gotAt[dev] = append(gotAt[dev], deadTimes[i])
 	}
 	for dev, w := range want {
 		pos := make(map[string]int, len(w))
@@ -586,10 +610,7 @@ func (e *clusterEnv) check(total int, windows []window) {
 		}
 	}
 	if len(got) != len(want) {
-		e.t.Errorf("OUTGOING holds messages of %d devices, INCOMING of %d", len(got), len(want))
-	}
-	if n := e.count(e.names.Unmapped); n != 0 {
-		e.t.Errorf("UNMAPPED holds %d messages, want none", n)
+		e.t.Errorf("OUTGOING and UNMAPPED hold messages of %d devices, INCOMING of %d", len(got), len(want))
 	}
 	var dups, counted uint64
 	for _, r := range e.reps {
@@ -605,8 +626,8 @@ func (e *clusterEnv) check(total int, windows []window) {
 			e.t.Errorf("a message stored at %s after a later one of its device, outside a step-down of an output stream", at.Format("15:04:05.000"))
 		}
 	}
-	e.t.Logf("%d messages of %d devices; %d stored after a later one of their device, all counted; %d publishes acknowledged as duplicates",
-		total, len(want), len(reorders), dups)
+	e.t.Logf("%d messages of %d devices (%d in UNMAPPED); %d stored after a later one of their device, all counted; %d publishes acknowledged as duplicates",
+		total, len(want), len(dead), len(reorders), dups)
 	slices.SortFunc(inTimes, func(a, b time.Time) int { return a.Compare(b) })
 	for _, w := range windows {
 		if w.quiet {
