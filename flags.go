@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func env(name string) []string { return []string{"KVMAPPER_" + name} }
@@ -37,9 +38,9 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "parked-stream", Value: subjects.DefaultNames.Parked, Usage: "stream parked devices' messages wait in (--on-unmapped park)", EnvVars: env("PARKED_STREAM")},
 		&cli.StringFlag{Name: "parked-prefix", Value: subjects.DefaultNames.ParkedPrefix, Usage: "first token of the parked subjects, <prefix>.<partition>.<device>", EnvVars: env("PARKED_PREFIX")},
 		&cli.IntFlag{Name: "stream-replicas", Value: 1, Usage: "replicas of the streams and buckets setup creates", EnvVars: env("STREAM_REPLICAS")},
-		&cli.StringFlag{Name: "mode", Value: string(setup.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
+		&cli.StringFlag{Name: "mode", Value: string(wire.ModeStream), Usage: "stream (devices publish into INCOMING, which the replicas map) or " +
 			"direct (no INCOMING: each partition's owner receives what devices publish over core NATS and republishes it with the device's reply subject, so the device's PubAck comes from OUTGOING)", EnvVars: env("MODE")},
-		&cli.StringFlag{Name: "direct-receive", Value: string(setup.ReceiveMapping), Usage: "direct mode: mapping (the server's account mapping stamps the partition; each owner subscribes to its partitions: setup checks it and prints it, run --embedded sets it) or " +
+		&cli.StringFlag{Name: "direct-receive", Value: string(wire.ReceiveMapping), Usage: "direct mode: mapping (the server's account mapping stamps the partition; each owner subscribes to its partitions: setup checks it and prints it, run --embedded sets it) or " +
 			"all (no server configuration: every replica subscribes to every device subject and keeps its partitions)", EnvVars: env("DIRECT_RECEIVE")},
 	}
 }
@@ -141,13 +142,13 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 			return setup.Config{}, usagef("invalid value %q for flag --layout: use %s, %s or %s", v, subjects.AutoLayout, subjects.SingleStream, subjects.PartitionStreams)
 		}
 	}
-	mode, err := setup.ParseMode(c.String("mode"))
+	mode, err := wire.ParseMode(c.String("mode"))
 	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --mode: use %s or %s", c.String("mode"), setup.ModeStream, setup.ModeDirect)
+		return setup.Config{}, usagef("invalid value %q for flag --mode: use %s or %s", c.String("mode"), wire.ModeStream, wire.ModeDirect)
 	}
-	receive, err := setup.ParseReceive(c.String("direct-receive"))
+	receive, err := wire.ParseReceive(c.String("direct-receive"))
 	if err != nil {
-		return setup.Config{}, usagef("invalid value %q for flag --direct-receive: use %s or %s", c.String("direct-receive"), setup.ReceiveMapping, setup.ReceiveAll)
+		return setup.Config{}, usagef("invalid value %q for flag --direct-receive: use %s or %s", c.String("direct-receive"), wire.ReceiveMapping, wire.ReceiveAll)
 	}
 	cfg := setup.Config{
 		Mode:    mode,
@@ -179,7 +180,7 @@ func setupConfig(c *cli.Context, lay *subjects.Layout) (setup.Config, error) {
 	switch mode := c.String("on-unmapped"); mode {
 	case "", onUnmappedDeadLetter:
 	case onUnmappedPark:
-		if cfg.Mode == setup.ModeDirect {
+		if cfg.Mode == wire.ModeDirect {
 			return setup.Config{}, usagef("--on-unmapped park needs --mode stream: in direct mode no stream holds a device's messages, so nothing can keep the parked ones in order")
 		}
 		per, total := c.Int64("park-max-per-device"), c.Int64("park-max-total")

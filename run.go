@@ -27,6 +27,7 @@ import (
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func runCommand() *cli.Command {
@@ -101,7 +102,7 @@ func setupCommand() *cli.Command {
 				return err
 			}
 			scfg.StreamLayout = choice.Layout
-			if auto && scfg.Mode == setup.ModeStream {
+			if auto && scfg.Mode == wire.ModeStream {
 				fmt.Fprintf(c.App.Writer, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
 			}
 			lines, err := setup.Ensure(ctx, js, scfg)
@@ -269,7 +270,7 @@ func runAction(c *cli.Context) error {
 // then, for the few milliseconds since it started listening, a device's message reaches no
 // stream, as during any restart.
 func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Config, srv *server.Server, log zerolog.Logger) error {
-	if cfg.Mode == setup.ModeDirect {
+	if cfg.Mode == wire.ModeDirect {
 		// Direct mode keeps no INCOMING: nothing to choose, and nothing to log.
 		c, err := setup.ChooseLayout(ctx, js, *cfg)
 		cfg.StreamLayout = c.Layout
@@ -299,8 +300,8 @@ func chooseRunLayout(ctx context.Context, js jetstream.JetStream, cfg *setup.Con
 // mappings returns the account subject mappings cfg needs from the server: the partitioning
 // mapping for the partition streams and for direct mode's default receive mode, none otherwise.
 func mappings(cfg setup.Config) map[string]string {
-	if cfg.Mode == setup.ModeDirect {
-		if cfg.Receive != setup.ReceiveMapping {
+	if cfg.Mode == wire.ModeDirect {
+		if cfg.Receive != wire.ReceiveMapping {
 			return nil
 		}
 	} else if cfg.StreamLayout != subjects.PartitionStreams {
@@ -367,7 +368,7 @@ func printNextSteps(c *cli.Context, url string, cfg setup.Config) {
 	if url != "nats://127.0.0.1:4222" {
 		server = " -s " + url
 	}
-	if cfg.Mode == setup.ModeDirect {
+	if cfg.Mode == wire.ModeDirect {
 		fmt.Fprintf(c.App.Writer, `
 kvmapper is mapping %[1]s → %[2]s on %[3]s in direct mode: a device's PubAck comes from %[7]s.
 In another terminal try:

@@ -14,8 +14,8 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
-	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func statusCommand() *cli.Command {
@@ -77,7 +77,7 @@ func statusAction(c *cli.Context) error {
 		Layout:  lay,
 		Names:   scfg.Names,
 		Timeout: c.Duration("timeout"),
-		Direct:  scfg.Mode == setup.ModeDirect,
+		Direct:  scfg.Mode == wire.ModeDirect,
 	}
 	read := func(prev *status.Snapshot) (*status.Snapshot, error) {
 		rctx, cancel := context.WithTimeout(ctx, c.Duration("timeout")+10*time.Second)

@@ -14,8 +14,8 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvmapper/kvmapper/internal/natsconn"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func unparkCommand() *cli.Command {
@@ -61,9 +61,9 @@ func unparkAction(c *cli.Context) error {
 	if wait < 0 {
 		return usagef("invalid value %v for flag --wait: must not be negative", wait)
 	}
-	value := lanes.UnparkRelease
+	value := wire.UnparkRelease
 	if c.Bool("drop") {
-		value = lanes.UnparkDrop
+		value = wire.UnparkDrop
 	}
 	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -100,13 +100,13 @@ func unparkAction(c *cli.Context) error {
 			return fmt.Errorf("reading stream %s: %w", scfg.Parked, err)
 		}
 		n := info.State.Subjects[subj]
-		key := subjects.UnparkKey(p, d)
-		rev, err := ctl.PutString(ctx, key, value)
+		key := wire.UnparkKey(p, d)
+		rev, err := ctl.PutString(ctx, key, string(value))
 		if err != nil {
 			return fmt.Errorf("writing %s to bucket %s: %w", key, scfg.Control, err)
 		}
 		what := "released (republished with its group, or dead-lettered as no-mapping without one)"
-		if value == lanes.UnparkDrop {
+		if value == wire.UnparkDrop {
 			what = "dead-lettered as park-dropped"
 		}
 		if wait == 0 {

@@ -15,8 +15,8 @@ import (
 
 	"github.com/kvmapper/kvmapper/audit"
 	"github.com/kvmapper/kvmapper/internal/natsconn"
-	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func verifyCommand() *cli.Command {
@@ -80,7 +80,7 @@ func verifyAction(c *cli.Context) error {
 		Names:       scfg.Names,
 		Wait:        wait,
 		MaxFindings: maxFindings,
-		Direct:      scfg.Mode == setup.ModeDirect,
+		Direct:      scfg.Mode == wire.ModeDirect,
 		Progress: func(read uint64) {
 			if time.Since(lastLog) >= 2*time.Second {
 				lastLog = time.Now()

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // Kinds of [Finding].
@@ -53,7 +54,7 @@ type Config struct {
 	Progress func(read uint64)
 	// Direct says the deployment runs in direct mode: Run refuses at once with [ErrDirectMode].
 	// Without it, Run refuses so when INCOMING does not exist and the control bucket says direct
-	// mode ([subjects.ModeKey]).
+	// mode ([wire.ModeKey]).
 	Direct bool
 }
 
@@ -248,7 +249,7 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 	for _, name := range cfg.IncomingStreams(cfg.Layout.Partitions) {
 		src, err := openSource(ctx, js, name, cfg.StreamLayout != subjects.PartitionStreams)
 		if errors.Is(err, jetstream.ErrStreamNotFound) && markedDirect(ctx, js, cfg.Control) {
-			return nil, directMode(cfg, fmt.Sprintf(" (key %s of the control bucket %s says so)", subjects.ModeKey, cfg.Control))
+			return nil, directMode(cfg, fmt.Sprintf(" (key %s of the control bucket %s says so)", wire.ModeKey, cfg.Control))
 		}
 		if err != nil {
 			return nil, err
@@ -286,8 +287,8 @@ func markedDirect(ctx context.Context, js jetstream.JetStream, control string) b
 	if err != nil {
 		return false
 	}
-	e, err := ctl.Get(ctx, subjects.ModeKey)
-	return err == nil && string(e.Value()) == subjects.DirectMode
+	e, err := ctl.Get(ctx, wire.ModeKey)
+	return err == nil && wire.MarksDirect(e.Value())
 }
 
 // markTimeout bounds the read of the control bucket's mode key: a user not allowed to read it

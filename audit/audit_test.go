@@ -14,9 +14,9 @@ import (
 
 	"github.com/kvmapper/kvmapper/audit"
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // env is a server with the three streams of the default layout.
@@ -88,7 +88,7 @@ func (e *env) idPrefixOf(device string) string {
 	if err != nil {
 		e.t.Fatalf("Stream(%s): %v", name, err)
 	}
-	return lanes.MsgIDPrefix(name, lanes.Incarnation(s.CachedInfo().Created))
+	return wire.MsgIDPrefix(name, wire.Incarnation(s.CachedInfo().Created))
 }
 
 // out writes c as the mapper would and returns its stream sequence. It fails on a duplicate.
@@ -108,11 +108,11 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 	m := nats.NewMsg("outgoing.g1." + c.device + ".temp")
 	if c.unmapped {
 		m.Subject = "unmapped." + c.device + ".temp"
-		m.Header.Set(lanes.HeaderReason, lanes.ReasonNoMapping)
+		m.Header.Set(wire.HeaderReason, wire.ReasonNoMapping)
 	}
 	if c.malformed {
 		m.Subject = e.lay.MalformedSubject()
-		m.Header.Set(lanes.HeaderReason, lanes.ReasonMalformedSubject)
+		m.Header.Set(wire.HeaderReason, wire.ReasonMalformedSubject)
 	}
 	switch c.id {
 	case "":
@@ -124,8 +124,8 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 		m.Header.Set(nats.MsgIdHdr, c.id)
 	}
 	if c.epoch != 0 {
-		m.Header.Set(lanes.HeaderPartition, strconv.Itoa(subjects.Partition(c.device, e.lay.Partitions)))
-		m.Header.Set(lanes.HeaderEpoch, strconv.FormatUint(c.epoch, 10))
+		m.Header.Set(wire.HeaderPartition, strconv.Itoa(subjects.Partition(c.device, e.lay.Partitions)))
+		m.Header.Set(wire.HeaderEpoch, strconv.FormatUint(c.epoch, 10))
 	}
 	m.Data = []byte("x")
 	return e.js.PublishMsg(context.Background(), m)

@@ -12,8 +12,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/audit"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // BenchmarkRun1M audits 1M (or $AUDIT_BENCH_N) INCOMING messages from 10k devices, mapped 90% to OUTGOING and 10% to
@@ -63,14 +63,14 @@ func BenchmarkRun1M(b *testing.B) {
 		d := devs[i%devices]
 		p := subjects.Partition(d, e.lay.Partitions)
 		m := &nats.Msg{Subject: "outgoing.g1." + d + ".temp", Data: payload, Header: nats.Header{
-			nats.MsgIdHdr:         {"INCOMING:" + strconv.Itoa(i+1)},
-			lanes.HeaderPartition: {strconv.Itoa(p)},
-			lanes.HeaderEpoch:     {epochs[p]},
-			lanes.HeaderRevision:  {"7"},
+			nats.MsgIdHdr:        {"INCOMING:" + strconv.Itoa(i+1)},
+			wire.HeaderPartition: {strconv.Itoa(p)},
+			wire.HeaderEpoch:     {epochs[p]},
+			wire.HeaderRevision:  {"7"},
 		}}
 		if i%10 == 9 {
 			m.Subject = "unmapped." + d + ".temp"
-			m.Header[lanes.HeaderReason] = []string{lanes.ReasonNoMapping}
+			m.Header[wire.HeaderReason] = []string{wire.ReasonNoMapping}
 		}
 		return m
 	})

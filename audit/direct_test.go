@@ -10,6 +10,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // TestDirectModeIsRefused audits a deployment that setup made in direct mode: there is no
@@ -22,7 +23,7 @@ func TestDirectModeIsRefused(t *testing.T) {
 	}
 	_, js := natstest.Start(t).JetStream(t)
 	ctx := context.Background()
-	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: lay, Mode: setup.ModeDirect, Receive: setup.ReceiveAll}); err != nil {
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: lay, Mode: wire.ModeDirect, Receive: wire.ReceiveAll}); err != nil {
 		t.Fatalf("setup.Ensure(direct): %v", err)
 	}
 	rep, err := audit.Run(ctx, js, audit.Config{Layout: lay})

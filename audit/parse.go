@@ -27,15 +27,6 @@ func parseUint(s string) (uint64, bool) {
 	return n, true
 }
 
-// parseID returns the INCOMING sequence of a Nats-Msg-Id "<prefix><sequence>".
-func parseID(id, prefix string) (uint64, bool) {
-	if !strings.HasPrefix(id, prefix) {
-		return 0, false
-	}
-	seq, ok := parseUint(id[len(prefix):])
-	return seq, ok && seq > 0
-}
-
 // devParser finds the {device} token of subjects of one template without allocating.
 type devParser struct {
 	toks []string // the template's tokens; placeholders as "{name}"

@@ -10,8 +10,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // pullBatch is how many messages each ordered consumer asks for at a time. Headers-only messages
@@ -236,9 +236,9 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 				Detail: fmt.Sprintf("%s:%d stored again (subject %s)", src.Stream, seq, subject)})
 		}
 	}
-	if ps := hdr.Get(lanes.HeaderPartition); ps != "" {
+	if ps := hdr.Get(wire.HeaderPartition); ps != "" {
 		p, okP := parseUint(ps)
-		e, okE := parseUint(hdr.Get(lanes.HeaderEpoch))
+		e, okE := parseUint(hdr.Get(wire.HeaderEpoch))
 		if okP && okE && p < uint64(len(r.epochs)) {
 			if prev := r.epochs[p]; e < prev && !r.a.epochsRestarted(r.epochAt[p], ack.Time) {
 				if r.note(KindStaleEpoch) {

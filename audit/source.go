@@ -8,8 +8,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // Range is the audited part of one stream that holds INCOMING messages: INCOMING in the
@@ -25,7 +25,7 @@ type Range struct {
 // Readers mark sequences from their own goroutines: the bitmaps are safe for that.
 type source struct {
 	Range
-	idPrefix string // "<stream>:<incarnation>:", see lanes.MsgIDPrefix
+	idPrefix string // "<stream>:<incarnation>:", see wire.MsgIDPrefix
 	// legacyPrefix is "<INCOMING>:", the Nats-Msg-Id prefix written before ids named the
 	// incarnation of INCOMING; such ids stored after INCOMING was created are taken as its own,
 	// those stored before as an earlier incarnation's. "" for partition streams, which came later.
@@ -46,10 +46,10 @@ func openSource(ctx context.Context, js jetstream.JetStream, name string, legacy
 		return nil, fmt.Errorf("audit: reading the state of stream %s: %w", name, err)
 	}
 	st := info.State
-	src := &source{Range: Range{Stream: name}, idPrefix: lanes.MsgIDPrefix(name, lanes.Incarnation(info.Created)),
+	src := &source{Range: Range{Stream: name}, idPrefix: wire.MsgIDPrefix(name, wire.Incarnation(info.Created)),
 		created: info.Created.UnixNano()}
 	if legacy {
-		src.legacyPrefix = name + ":"
+		src.legacyPrefix = wire.LegacyMsgIDPrefix(name)
 	}
 	if st.Msgs == 0 {
 		return src, nil
@@ -93,9 +93,9 @@ func (a *auditor) sourceOf(id string, stored int64) (*source, uint64, bool) {
 			return nil, 0, false
 		}
 	}
-	seq, ok := parseID(id, src.idPrefix)
+	seq, ok := wire.ParseMsgID(id, src.idPrefix)
 	if !ok && src.legacyPrefix != "" && stored >= src.created {
-		seq, ok = parseID(id, src.legacyPrefix)
+		seq, ok = wire.ParseMsgID(id, src.legacyPrefix)
 	}
 	return src, seq, ok
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // The paths the direct run compares, and the subjects its devices publish to for each direct
@@ -117,9 +118,9 @@ func (e *env) direct(ctx context.Context) (*DirectResult, error) {
 				return runStreamReplica(ctx, e.log, e.cfg.URL, id, n, ready)
 			})
 		}},
-		{PathDirectMapped, DirectMappedIn, e.directRun(DirectMappedIn, setup.ReceiveMapping, false)},
-		{PathDirectAll, DirectAllIn, e.directRun(DirectAllIn, setup.ReceiveAll, false)},
-		{PathDirectProvenance, DirectMappedIn, e.directRun(DirectMappedIn, setup.ReceiveMapping, true)},
+		{PathDirectMapped, DirectMappedIn, e.directRun(DirectMappedIn, wire.ReceiveMapping, false)},
+		{PathDirectAll, DirectAllIn, e.directRun(DirectAllIn, wire.ReceiveAll, false)},
+		{PathDirectProvenance, DirectMappedIn, e.directRun(DirectMappedIn, wire.ReceiveMapping, true)},
 	}
 	for _, pth := range paths {
 		names := e.names(directOutgoing)
@@ -168,14 +169,14 @@ func (e *env) direct(ctx context.Context) (*DirectResult, error) {
 }
 
 // directRun returns how to start the in-process direct-mode replicas of one path.
-func (e *env) directRun(in string, r setup.Receive, provenance bool) func(ctx context.Context, n Names) (*replicas, error) {
+func (e *env) directRun(in string, r wire.Receive, provenance bool) func(ctx context.Context, n Names) (*replicas, error) {
 	return func(ctx context.Context, n Names) (*replicas, error) {
 		lay, err := subjects.NewLayout(in, outTemplate, unmappedTemplate, n.Partitions)
 		if err != nil {
 			return nil, err
 		}
 		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		err = setup.CheckDirect(sctx, e.js, setup.Config{Layout: lay, Names: n.Names, Mode: setup.ModeDirect, Receive: r})
+		err = setup.CheckDirect(sctx, e.js, setup.Config{Layout: lay, Names: n.Names, Mode: wire.ModeDirect, Receive: r})
 		cancel()
 		if err != nil {
 			return nil, err
@@ -394,8 +395,8 @@ func runStreamReplica(ctx context.Context, log zerolog.Logger, url, id string, n
 
 // runDirectReplica runs one direct-mode replica devices reach through lay's in template, with the
 // provenance headers or without.
-func runDirectReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names, lay *subjects.Layout, r setup.Receive, provenance bool, ready func(*mapper.Replica)) error {
-	scfg := setup.Config{Layout: lay, Names: n.Names, Mode: setup.ModeDirect, Receive: r}
+func runDirectReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names, lay *subjects.Layout, r wire.Receive, provenance bool, ready func(*mapper.Replica)) error {
+	scfg := setup.Config{Layout: lay, Names: n.Names, Mode: wire.ModeDirect, Receive: r}
 	return runReplica(ctx, log, url, id, mapper.Config{ID: id, Setup: scfg, Lanes: lanes.Config{Layout: lay},
 		Direct: direct.Config{Provenance: provenance}}, ready)
 }

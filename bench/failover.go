@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -16,7 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // PartitionGap is what happened to one partition of the killed replica.
@@ -169,7 +168,7 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 	}
 	wctx, stopWatch := context.WithCancel(ctx)
 	defer stopWatch()
-	w, err := ctl.Watch(wctx, "lease.*", jetstream.UpdatesOnly())
+	w, err := ctl.Watch(wctx, wire.LeaseFilter, jetstream.UpdatesOnly())
 	if err != nil {
 		return nil, err
 	}
@@ -181,8 +180,8 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 			if entry == nil {
 				continue
 			}
-			p, err := strconv.Atoi(strings.TrimPrefix(entry.Key(), "lease."))
-			if err != nil {
+			kind, p, _, ok := wire.ParseControlKey(entry.Key())
+			if !ok || kind != wire.KindLease {
 				continue
 			}
 			ev := leaseEvent{p: p, rev: entry.Revision(), at: time.Now()}
@@ -206,8 +205,8 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 	defer sub.Close()
 	s, err := sub.Subscribe("outgoing.>", func(m *nats.Msg) {
 		now := time.Now()
-		p, err1 := strconv.ParseUint(m.Header.Get(lanes.HeaderPartition), 10, 64)
-		ep, err2 := strconv.ParseUint(m.Header.Get(lanes.HeaderEpoch), 10, 64)
+		p, err1 := strconv.ParseUint(m.Header.Get(wire.HeaderPartition), 10, 64)
+		ep, err2 := strconv.ParseUint(m.Header.Get(wire.HeaderEpoch), 10, 64)
 		if err1 == nil && err2 == nil {
 			out.seen(p, ep, now)
 		}

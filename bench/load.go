@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // publishWindow bounds the bench's own unacknowledged JetStream publishes, far below the
@@ -295,7 +296,7 @@ func (e *env) waitOwned(ctx context.Context, names Names) error {
 	for {
 		owned := 0
 		for p := range names.Partitions {
-			if _, err := ctl.Get(ctx, "lease."+strconv.Itoa(p)); err == nil {
+			if _, err := ctl.Get(ctx, wire.LeaseKey(p)); err == nil {
 				owned++
 			}
 		}

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvmapper/kvmapper/direct"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // BenchmarkPipeline measures the whole path of a message in direct mode, in process: a device
@@ -24,7 +25,7 @@ import (
 func BenchmarkPipeline(b *testing.B) {
 	for _, name := range []string{"straight", "plain", "provenance"} {
 		b.Run(name, func(b *testing.B) {
-			f := newFixture(b, direct.ReceiveMapping)
+			f := newFixture(b, wire.ReceiveMapping)
 			devs := make([]string, 64)
 			for i := range devs {
 				devs[i] = "dev-" + strconv.Itoa(i)
@@ -76,7 +77,7 @@ func BenchmarkPipeline(b *testing.B) {
 func BenchmarkLatency(b *testing.B) {
 	for _, name := range []string{"straight", "plain"} {
 		b.Run(name, func(b *testing.B) {
-			f := newFixture(b, direct.ReceiveMapping)
+			f := newFixture(b, wire.ReceiveMapping)
 			f.groups.set("dev-1", "group-a")
 			subject := "outgoing.group-a.dev-1.temp"
 			if name != "straight" {

@@ -9,6 +9,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 var (
@@ -24,55 +25,6 @@ var (
 	// ErrClosed is returned by [Pool.Run] after [Pool.Close].
 	ErrClosed = errors.New("direct: pool closed")
 )
-
-// Reasons a message goes to UNMAPPED, in the [HeaderReason] header. The lookup supplies the
-// others (no mapping, an invalid group); these are the ones the pool finds itself. They are the
-// strings package lanes uses for the same cases.
-const (
-	ReasonMalformedSubject = "malformed-subject" // the subject does not fit the in template
-)
-
-// Headers the pool sets on what it forwards. The device's own headers, Nats-Msg-Id and any
-// Nats-Expected-* among them, are passed on untouched: they address OUTGOING now.
-const (
-	HeaderReason    = "KVMapper-Reason"    // why a message went to UNMAPPED
-	HeaderSubject   = "KVMapper-Subject"   // on a dead letter: the subject it arrived on
-	HeaderPartition = "KVMapper-Partition" // provenance: the partition the message came through
-	HeaderEpoch     = "KVMapper-Epoch"     // provenance: the owner's lease epoch
-	HeaderRevision  = "KVMapper-Revision"  // provenance: KV revision of the mapping used
-)
-
-// HeaderProbe marks the probes of `kvmapper setup`: a message carrying it on a device whose id
-// starts with [ProbeDevicePrefix] is a probe, and the pool drops it without forwarding it.
-const (
-	HeaderProbe       = "KVMapper-Probe"
-	ProbeDevicePrefix = "kvmapper-probe-"
-)
-
-// Receive says how the owners of the partitions receive what devices publish.
-type Receive string
-
-const (
-	// ReceiveMapping: the server's account mapping (subjects.Layout.MappingSource →
-	// MappingDest) stamps the partition on every device subject, and each owner subscribes to
-	// its own partitions (subjects.Layout.Filter). The server delivers each message once.
-	ReceiveMapping Receive = "mapping"
-	// ReceiveAll: the server maps nothing; every replica subscribes to every device subject
-	// (subjects.Layout.StreamSubject) and keeps the messages of the partitions it owns. It needs
-	// no server configuration, and costs the server one delivery per replica per message.
-	ReceiveAll Receive = "all"
-)
-
-// ParseReceive reads a receive mode's name, "mapping" or "all"; "" is [ReceiveMapping].
-func ParseReceive(s string) (Receive, error) {
-	switch r := Receive(s); r {
-	case "", ReceiveMapping:
-		return ReceiveMapping, nil
-	case ReceiveAll:
-		return r, nil
-	}
-	return "", fmt.Errorf("%w: receive mode %q: use %s or %s", ErrInvalidConfig, s, ReceiveMapping, ReceiveAll)
-}
 
 // LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
 // reason (the UNMAPPED reasons of the caller: no mapping, an invalid group) when the device cannot
@@ -95,8 +47,8 @@ type Assignment struct {
 type Config struct {
 	// Layout gives the subject templates and the partition count. Required.
 	Layout *subjects.Layout
-	// Receive says how partitions are received. Default [ReceiveMapping].
-	Receive Receive
+	// Receive says how partitions are received. Default [wire.ReceiveMapping].
+	Receive wire.Receive
 	// Replica names this replica in handoff announcements and logs.
 	Replica string
 	// HandoffPrefix is the subject prefix of the handoff announcements: a new owner of partition p
@@ -153,9 +105,9 @@ func (c *Config) setDefaults() error {
 	if c.Layout == nil {
 		return fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
-	r, err := ParseReceive(string(c.Receive))
+	r, err := wire.ParseReceive(string(c.Receive))
 	if err != nil {
-		return err
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	c.Receive = r
 	if c.HandoffPrefix == "" {

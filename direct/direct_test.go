@@ -14,23 +14,22 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/direct"
-	"github.com/kvmapper/kvmapper/lanes"
-	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // The names direct shares with the rest of kvmapper must be the same strings.
 func TestSharedNames(t *testing.T) {
 	for _, c := range [][2]string{
-		{direct.ReasonMalformedSubject, lanes.ReasonMalformedSubject},
-		{direct.HeaderReason, lanes.HeaderReason},
-		{direct.HeaderSubject, lanes.HeaderSubject},
-		{direct.HeaderPartition, lanes.HeaderPartition},
-		{direct.HeaderEpoch, lanes.HeaderEpoch},
-		{direct.HeaderRevision, lanes.HeaderRevision},
-		{direct.HeaderProbe, setup.ProbeHeader},
-		{string(direct.ReceiveMapping), string(setup.ReceiveMapping)},
-		{string(direct.ReceiveAll), string(setup.ReceiveAll)},
+		{wire.ReasonMalformedSubject, wire.ReasonMalformedSubject},
+		{wire.HeaderReason, wire.HeaderReason},
+		{wire.HeaderSubject, wire.HeaderSubject},
+		{wire.HeaderPartition, wire.HeaderPartition},
+		{wire.HeaderEpoch, wire.HeaderEpoch},
+		{wire.HeaderRevision, wire.HeaderRevision},
+		{wire.HeaderProbe, wire.HeaderProbe},
+		{string(wire.ReceiveMapping), string(wire.ReceiveMapping)},
+		{string(wire.ReceiveAll), string(wire.ReceiveAll)},
 	} {
 		if c[0] != c[1] {
 			t.Errorf("direct has %q where the others have %q", c[0], c[1])
@@ -90,18 +89,18 @@ func TestUnmappedGetsPubAckFromUnmapped(t *testing.T) {
 		}
 		msgs := f.stream("UNMAPPED")
 		want := []struct{ subject, reason string }{
-			{"unmapped.dev-99.temp", lanes.ReasonNoMapping}, {"unmapped.dev-bad.temp", lanes.ReasonInvalidGroup},
+			{"unmapped.dev-99.temp", wire.ReasonNoMapping}, {"unmapped.dev-bad.temp", wire.ReasonInvalidGroup},
 		}
 		if len(msgs) != len(want) {
 			t.Fatalf("UNMAPPED holds %v, want %d messages", subjectsOf(msgs), len(want))
 		}
 		for i, w := range want {
 			m := msgs[i]
-			if m.Subject() != w.subject || m.Headers().Get(direct.HeaderReason) != w.reason || string(m.Data()) != "who?" {
-				t.Errorf("UNMAPPED message %d: %s reason %q payload %q, want %s reason %q", i, m.Subject(), m.Headers().Get(direct.HeaderReason), m.Data(), w.subject, w.reason)
+			if m.Subject() != w.subject || m.Headers().Get(wire.HeaderReason) != w.reason || string(m.Data()) != "who?" {
+				t.Errorf("UNMAPPED message %d: %s reason %q payload %q, want %s reason %q", i, m.Subject(), m.Headers().Get(wire.HeaderReason), m.Data(), w.subject, w.reason)
 			}
 		}
-		if st := p.Stats(); st.Unmapped[lanes.ReasonNoMapping] != 1 || st.Unmapped[lanes.ReasonInvalidGroup] != 1 {
+		if st := p.Stats(); st.Unmapped[wire.ReasonNoMapping] != 1 || st.Unmapped[wire.ReasonInvalidGroup] != 1 {
 			t.Errorf("Stats().Unmapped = %v, want one of each", st.Unmapped)
 		}
 	})
@@ -110,7 +109,7 @@ func TestUnmappedGetsPubAckFromUnmapped(t *testing.T) {
 // A subject that does not fit the template (published straight to a partition's mapped form)
 // goes to UNMAPPED with its reason, and its publisher's acknowledgement comes from there.
 func TestMalformedSubjectGoesToUnmapped(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	p := f.pool("r1", nil, nil)
 	f.run(p, direct.Assignment{Partition: 3, Epoch: 1})
 	ack, err := f.js.Publish(context.Background(), "incoming.3.dev-1.temp.extra", []byte("x"))
@@ -122,16 +121,16 @@ func TestMalformedSubjectGoesToUnmapped(t *testing.T) {
 	}
 	msgs := f.stream("UNMAPPED")
 	if len(msgs) != 1 || msgs[0].Subject() != f.lay.MalformedSubject() ||
-		msgs[0].Headers().Get(direct.HeaderReason) != direct.ReasonMalformedSubject ||
-		msgs[0].Headers().Get(direct.HeaderSubject) != "incoming.3.dev-1.temp.extra" {
-		t.Fatalf("UNMAPPED holds %v, want the message on %s with reason %s and its subject", subjectsOf(msgs), f.lay.MalformedSubject(), direct.ReasonMalformedSubject)
+		msgs[0].Headers().Get(wire.HeaderReason) != wire.ReasonMalformedSubject ||
+		msgs[0].Headers().Get(wire.HeaderSubject) != "incoming.3.dev-1.temp.extra" {
+		t.Fatalf("UNMAPPED holds %v, want the message on %s with reason %s and its subject", subjectsOf(msgs), f.lay.MalformedSubject(), wire.ReasonMalformedSubject)
 	}
 }
 
 // A message OUTGOING refuses for its size: the device gets OUTGOING's own error, as it would
 // publishing into OUTGOING.
 func TestTooLargeForOutgoingGetsOutgoingsError(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping, func(ctx context.Context, js jetstream.JetStream) {
+	f := newFixture(t, wire.ReceiveMapping, func(ctx context.Context, js jetstream.JetStream) {
 		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "OUTGOING", Subjects: []string{"outgoing.>"},
 			Duplicates: 2 * time.Minute, MaxMsgSize: 1024}); err != nil {
 			t.Fatal(err)
@@ -154,7 +153,7 @@ func TestHeadersAndPayloadPassThrough(t *testing.T) {
 	payload := []byte{0, 1, 2, 0xff, '\n', 0, 'x'}
 	for _, noProv := range []bool{false, true} {
 		t.Run(map[bool]string{false: "provenance", true: "no-provenance"}[noProv], func(t *testing.T) {
-			f := newFixture(t, direct.ReceiveMapping)
+			f := newFixture(t, wire.ReceiveMapping)
 			f.groups.set("dev-7", "group-a")
 			p := f.pool("r1", nil, func(c *direct.Config) { c.Provenance = !noProv })
 			f.runAll(p, 5)
@@ -182,9 +181,9 @@ func TestHeadersAndPayloadPassThrough(t *testing.T) {
 				jetstream.MsgIDHeader: {"dev-7:1"}, jetstream.ExpectedStreamHeader: {"OUTGOING"},
 			}
 			if !noProv {
-				want[direct.HeaderPartition] = []string{strconv.Itoa(subjects.Partition("dev-7", partitions))}
-				want[direct.HeaderEpoch] = []string{"5"}
-				want[direct.HeaderRevision] = []string{"1"}
+				want[wire.HeaderPartition] = []string{strconv.Itoa(subjects.Partition("dev-7", partitions))}
+				want[wire.HeaderEpoch] = []string{"5"}
+				want[wire.HeaderRevision] = []string{"1"}
 			}
 			keys, wantKeys := slices.Sorted(maps.Keys(h)), slices.Sorted(maps.Keys(want))
 			if !slices.Equal(keys, wantKeys) {

@@ -14,12 +14,13 @@ import (
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A group change the old owner has mapped with is never undone by a new owner whose table lags:
 // the new owner, told the old one's table revision, catches up before it forwards anything (I4).
 func TestHandoffToALaggingTableKeepsTheSwitch(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	dev := "dev-1"
 	part := partOf(dev)
 	// A's table has moved dev-1 to group-b (revision 2); B's still says group-a (revision 1)
@@ -64,7 +65,7 @@ func TestHandoffToALaggingTableKeepsTheSwitch(t *testing.T) {
 // A released partition nobody announces itself for stops after HandoffTimeout; a later owner
 // finds nobody to take over from, and serves at once.
 func TestHandoffTimeout(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	f.groups.set("dev-1", "g")
 	part := partOf("dev-1")
 	a := f.pool("a", nil, func(c *direct.Config) { c.HandoffTimeout = 300 * time.Millisecond })
@@ -97,7 +98,7 @@ func TestHandoffTimeout(t *testing.T) {
 
 // With nobody else to take over (the last replica stopping), a released partition stops at once.
 func TestAloneStopsWithoutAHandoff(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	f.groups.set("dev-1", "g")
 	a := f.pool("a", nil, func(c *direct.Config) { c.Alone = func(context.Context) bool { return true } })
 	ra := f.run(a, direct.Assignment{Partition: partOf("dev-1"), Epoch: 1})
@@ -117,7 +118,7 @@ func TestAloneStopsWithoutAHandoff(t *testing.T) {
 // A full queue drops what does not fit, counts it and goes on: the publishers of the dropped
 // messages get no acknowledgement, everything else flows.
 func TestFullQueueDropsAndGoesOn(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	f.groups.set("dev-1", "g")
 	gate, entered := make(chan struct{}), make(chan struct{})
 	var once sync.Once
@@ -178,7 +179,7 @@ func TestSetupProbesAreNotForwarded(t *testing.T) {
 		f.runAll(p, 1)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if err := setup.CheckDirect(ctx, f.js, setup.Config{Layout: f.lay, Mode: setup.ModeDirect, Receive: setup.Receive(f.receive)}); err != nil {
+		if err := setup.CheckDirect(ctx, f.js, setup.Config{Layout: f.lay, Mode: wire.ModeDirect, Receive: wire.Receive(f.receive)}); err != nil {
 			t.Fatalf("CheckDirect beside running owners: %v", err)
 		}
 		// A message published after the probes, on the same connection, is forwarded after them.
@@ -196,7 +197,7 @@ func TestSetupProbesAreNotForwarded(t *testing.T) {
 }
 
 func TestNewRefusesBadConfig(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	nc := f.srv.Connect(t)
 	for name, cfg := range map[string]direct.Config{
 		"no layout":       {},

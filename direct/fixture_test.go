@@ -14,9 +14,9 @@ import (
 
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestMain(m *testing.M) {
@@ -55,9 +55,9 @@ func (g *groups) lookup(device string) (string, uint64, string) {
 	g.mu.RUnlock()
 	switch {
 	case !ok:
-		return "", 0, lanes.ReasonNoMapping
+		return "", 0, wire.ReasonNoMapping
 	case subjects.ValidToken(grp) != nil:
-		return "", rev, lanes.ReasonInvalidGroup
+		return "", rev, wire.ReasonInvalidGroup
 	}
 	return grp, rev, ""
 }
@@ -67,20 +67,20 @@ type fixture struct {
 	t       testing.TB
 	srv     *natstest.Server
 	lay     *subjects.Layout
-	receive direct.Receive
+	receive wire.Receive
 	dev     *nats.Conn // what devices publish on
 	js      jetstream.JetStream
 	groups  *groups
 }
 
-func newFixture(t testing.TB, receive direct.Receive, mods ...func(ctx context.Context, js jetstream.JetStream)) *fixture {
+func newFixture(t testing.TB, receive wire.Receive, mods ...func(ctx context.Context, js jetstream.JetStream)) *fixture {
 	t.Helper()
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", partitions)
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := natstest.Start(t)
-	if receive == direct.ReceiveMapping {
+	if receive == wire.ReceiveMapping {
 		// What `kvmapper run --embedded --mode direct` gives its server, and the mappings block
 		// of setup.MappingConfig gives any other.
 		if err := srv.GlobalAccount().AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
@@ -94,7 +94,7 @@ func newFixture(t testing.TB, receive direct.Receive, mods ...func(ctx context.C
 	for _, mod := range mods {
 		mod(ctx, f.js)
 	}
-	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: lay, Mode: setup.ModeDirect, Receive: setup.Receive(receive)}); err != nil {
+	if _, err := setup.Ensure(ctx, f.js, setup.Config{Layout: lay, Mode: wire.ModeDirect, Receive: wire.Receive(receive)}); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
 	return f
@@ -103,7 +103,7 @@ func newFixture(t testing.TB, receive direct.Receive, mods ...func(ctx context.C
 // eachReceive runs test once per receive mode, each on a server of its own.
 func eachReceive(t *testing.T, test func(t *testing.T, f *fixture)) {
 	t.Helper()
-	for _, r := range []direct.Receive{direct.ReceiveMapping, direct.ReceiveAll} {
+	for _, r := range []wire.Receive{wire.ReceiveMapping, wire.ReceiveAll} {
 		t.Run(string(r), func(t *testing.T) { test(t, newFixture(t, r)) })
 	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // publishers are devices that publish with js.Publish, one message at a time each, waiting for
@@ -155,7 +156,7 @@ func TestGracefulHandoffUnderLoad(t *testing.T) {
 // A lost lease (a fence) stops the partition at once: no handing over, and with the mapping
 // nobody receives the partition any more (its publishers get no responders).
 func TestFenceStopsAtOnce(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	f.groups.set("dev-1", "g")
 	p := f.pool("a", nil, nil)
 	r := f.run(p, direct.Assignment{Partition: partOf("dev-1"), Epoch: 1})
@@ -175,7 +176,7 @@ func TestFenceStopsAtOnce(t *testing.T) {
 
 // An owner whose lease clock runs out forwards nothing more and Run says so.
 func TestLeaseClockStopsForwarding(t *testing.T) {
-	f := newFixture(t, direct.ReceiveMapping)
+	f := newFixture(t, wire.ReceiveMapping)
 	f.groups.set("dev-1", "g")
 	p := f.pool("a", nil, nil)
 	var valid atomic.Bool

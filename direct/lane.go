@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // errReleased ends a lane's serving when its context ends without a fence: it hands over.
@@ -37,7 +38,7 @@ type lane struct {
 	data          *nats.Subscription // ReceiveMapping: the partition's subscription
 	routed        bool               // ReceiveAll: dispatch feeds it, or will from its start marker on
 	// activated is closed, by dispatch, once the lane's start marker has arrived and it is fed
-	// (ReceiveAll).
+	// (wire.ReceiveAll).
 	activated    chan struct{}
 	activateOnce sync.Once
 	handoff      *nats.Subscription // announcements of newer owners, once it serves
@@ -54,7 +55,7 @@ type lane struct {
 	// drops them when they reach it, until skipUntil.
 	skip      map[string]struct{}
 	skipUntil time.Time
-	// recent holds, with ReceiveAll, the reply subjects the lane forwarded in the last
+	// recent holds, with wire.ReceiveAll, the reply subjects the lane forwarded in the last
 	// HandoffSettle while it served (from recentHead on): the replica's subscription delivers to
 	// the next owner's pool on its own schedule, which may lag this one's, so the next owner may
 	// hold a message this lane forwarded just before it was released. now is when the batch being
@@ -153,16 +154,16 @@ func (l *lane) push(m *nats.Msg) {
 	})
 }
 
-// activate says that dispatch feeds the lane (ReceiveAll); later calls do nothing.
+// activate says that dispatch feeds the lane (wire.ReceiveAll); later calls do nothing.
 func (l *lane) activate() { l.activateOnce.Do(func() { close(l.activated) }) }
 
 // subscribe starts receiving the partition and makes sure the server has the subscription. With
-// ReceiveAll the replica's subscription predates the lane, and what it delivers can lag: a message
+// wire.ReceiveAll the replica's subscription predates the lane, and what it delivers can lag: a message
 // the server sent before the previous owner released the partition may still be on its way. So the
 // lane is fed only from a start marker on, which it publishes on that subscription now: whatever
 // comes after the marker was sent after this moment.
 func (l *lane) subscribe() error {
-	if l.p.cfg.Receive == ReceiveAll {
+	if l.p.cfg.Receive == wire.ReceiveAll {
 		if err := l.p.subscribeShared(); err != nil {
 			return err
 		}
@@ -297,11 +298,11 @@ func (l *lane) handle(m *nats.Msg) {
 		l.p.warn("malformed subject", func(e *zerolog.Event) {
 			e.Str("subject", m.Subject).Err(err).Msg("malformed subject: message goes to UNMAPPED")
 		})
-		l.forward(m, lay.MalformedSubject(), 0, ReasonMalformedSubject)
+		l.forward(m, lay.MalformedSubject(), 0, wire.ReasonMalformedSubject)
 		return
 	}
 	dev := l.fields.Device()
-	if strings.HasPrefix(dev, ProbeDevicePrefix) && m.Header.Get(HeaderProbe) != "" {
+	if strings.HasPrefix(dev, wire.ProbeDevicePrefix) && m.Header.Get(wire.HeaderProbe) != "" {
 		return // kvmapper setup checking where device subjects arrive
 	}
 	group, rev, reason := l.p.lookup(dev)
@@ -322,19 +323,19 @@ func (l *lane) forward(m *nats.Msg, subject string, rev uint64, reason string) {
 		h = nats.Header{}
 	}
 	if reason != "" {
-		h[HeaderReason] = []string{reason}
-		h[HeaderSubject] = []string{m.Subject}
+		h[wire.HeaderReason] = []string{reason}
+		h[wire.HeaderSubject] = []string{m.Subject}
 	}
 	if l.p.cfg.Provenance {
-		h[HeaderPartition], h[HeaderEpoch], h[HeaderRevision] = l.partHdr, l.epochHdr, l.revision(rev)
+		h[wire.HeaderPartition], h[wire.HeaderEpoch], h[wire.HeaderRevision] = l.partHdr, l.epochHdr, l.revision(rev)
 	}
 	l.out = nats.Msg{Subject: subject, Reply: m.Reply, Header: h, Data: m.Data}
 	err := l.p.nc.PublishMsg(&l.out)
 	if errors.Is(err, nats.ErrMaxPayload) && l.p.cfg.Provenance {
 		// The device's message fitted; ours is larger by the provenance headers alone.
-		delete(h, HeaderPartition)
-		delete(h, HeaderEpoch)
-		delete(h, HeaderRevision)
+		delete(h, wire.HeaderPartition)
+		delete(h, wire.HeaderEpoch)
+		delete(h, wire.HeaderRevision)
 		err = l.p.nc.PublishMsg(&l.out)
 	}
 	if err != nil {
@@ -350,7 +351,7 @@ func (l *lane) forward(m *nats.Msg, subject string, rev uint64, reason string) {
 	} else {
 		l.p.countUnmapped(reason)
 	}
-	if l.p.cfg.Receive == ReceiveAll && !l.recording && m.Reply != "" {
+	if l.p.cfg.Receive == wire.ReceiveAll && !l.recording && m.Reply != "" {
 		l.remember(m.Reply)
 	}
 	if l.recording && m.Reply != "" {

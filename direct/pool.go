@@ -12,6 +12,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/ratelog"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // HeaderMarker carries, on a handoff marker, which lane published it (see [Pool]).
@@ -56,7 +57,7 @@ type PartitionStats struct {
 // on <HandoffPrefix>.<p> and holds what it receives. The old owner, on the announcement, publishes
 // a marker on its own subscription and forwards everything before it, and for HandoffSettle more;
 // then it unsubscribes and answers with the reply subjects it forwarded since the release (with
-// ReceiveAll, since HandoffSettle before it: each replica's subscription delivers on its own
+// wire.ReceiveAll, since HandoffSettle before it: each replica's subscription delivers on its own
 // schedule, and a new owner, fed from a start marker of its own, may hold a message the old one
 // forwarded just before). The new owner forwards what it
 // held except those, then everything after. A js.Publish has a reply subject of its own, so every
@@ -70,8 +71,8 @@ type Pool struct {
 	cfg    Config
 	log    zerolog.Logger
 	shape  shape
-	// markerSubject is what a handoff marker is published to with ReceiveAll; with
-	// ReceiveMapping the partition's own form of it ([shape.stored]).
+	// markerSubject is what a handoff marker is published to with wire.ReceiveAll; with
+	// wire.ReceiveMapping the partition's own form of it ([shape.stored]).
 	markerSubject string
 
 	mapped, handedOver, dropped, failures atomic.Uint64
@@ -174,7 +175,7 @@ func (p *Pool) forget(l *lane) {
 	p.mu.Unlock()
 }
 
-// subscribeShared makes sure the shared subscription of [ReceiveAll] is in place, and that the
+// subscribeShared makes sure the shared subscription of [wire.ReceiveAll] is in place, and that the
 // server has it, before a lane relies on it.
 func (p *Pool) subscribeShared() error {
 	p.mu.Lock()
@@ -292,17 +293,17 @@ func (p *Pool) warn(kind string, f func(e *zerolog.Event)) {
 
 // subjectsFor returns what a lane of partition part subscribes to, and its marker subject.
 func (p *Pool) subjectsFor(part int) (data, marker string) {
-	if p.cfg.Receive == ReceiveAll {
+	if p.cfg.Receive == wire.ReceiveAll {
 		return p.cfg.Layout.StreamSubject(), p.markerSubject
 	}
 	return p.cfg.Layout.Filter(part), p.shape.stored(p.markerSubject, part)
 }
 
 // markerSubjectFor is where lane l publishes its handoff marker so that it arrives on l's own
-// subscription: the partition's marker subject, or, with ReceiveAll, the one dispatch routes by
+// subscription: the partition's marker subject, or, with wire.ReceiveAll, the one dispatch routes by
 // the marker's value.
 func (p *Pool) markerSubjectFor(l *lane) string {
-	if p.cfg.Receive == ReceiveAll {
+	if p.cfg.Receive == wire.ReceiveAll {
 		return p.markerSubject
 	}
 	return l.markerSubject

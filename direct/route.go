@@ -11,7 +11,7 @@ import (
 )
 
 // shape knows where the device token sits in what devices publish (the in template) and how the
-// account mapping would write the partition into it, so that with [ReceiveAll] the replica can do
+// account mapping would write the partition into it, so that with [wire.ReceiveAll] the replica can do
 // for itself what the mapping does on the server.
 type shape struct {
 	partitions int
@@ -60,7 +60,7 @@ func (s shape) stored(subject string, p int) string {
 
 func splitSubject(s string) []string { return strings.Split(s, ".") }
 
-// routes are the lanes the shared subscription of [ReceiveAll] feeds, by partition (several while
+// routes are the lanes the shared subscription of [wire.ReceiveAll] feeds, by partition (several while
 // a partition passes from one lane of the pool to another), and the lanes waiting for a marker of
 // theirs, by the marker's value. A routes value is immutable: it is replaced whole.
 type routes struct {

@@ -11,7 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // claimHeader carries, on every claim, a nonce drawn for that claim alone, so that a claimer
@@ -66,7 +66,7 @@ func (e *Elector) live(c unanswered) bool {
 // holder stops at least Margin before anyone else could claim p, as for any claim. A claim found
 // only after its clock has run out is not taken: the lease is left to expire.
 func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
-	key := subjects.LeaseKey(p)
+	key := wire.LeaseKey(p)
 	c, again := e.unanswered[p]
 	delete(e.unanswered, p)
 	if !again || !e.live(c) {

@@ -15,7 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // graceHold is how many lease TTLs a partition claimed past Grace, beyond this replica's quota,
@@ -96,8 +96,8 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		work:          work,
 		cfg:           cfg,
 		log:           cfg.Logger.With().Str("replica", cfg.ReplicaID).Logger(),
-		memberKey:     subjects.MemberKey(cfg.ReplicaID),
-		memberSubject: "$KV." + bucket.Bucket() + "." + subjects.MemberKey(cfg.ReplicaID),
+		memberKey:     wire.MemberKey(cfg.ReplicaID),
+		memberSubject: "$KV." + bucket.Bucket() + "." + wire.MemberKey(cfg.ReplicaID),
 		leasePrefix:   "$KV." + bucket.Bucket() + ".",
 		kick:          make(chan struct{}, 1),
 		resync:        make(chan struct{}, 1),

@@ -7,7 +7,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // slot is one partition's lease as the watch last showed it.
@@ -84,7 +84,7 @@ func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
 	// attempt gets its own.
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	w, err := e.kv.WatchFiltered(wctx, []string{"lease.>", "member.>"})
+	w, err := e.kv.WatchFiltered(wctx, []string{wire.LeaseFilter, wire.MemberFilter})
 	if err != nil {
 		e.log.Warn().Err(err).Msg("watching the control bucket failed; retrying")
 		return false
@@ -125,11 +125,11 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 	key := ent.Key()
 	gone := ent.Operation() != jetstream.KeyValuePut
 	now := time.Now()
-	kind, p, id, ok := subjects.ParseControlKey(key)
+	kind, p, id, ok := wire.ParseControlKey(key)
 	if !ok {
 		return
 	}
-	if kind == subjects.KindMember {
+	if kind == wire.KindMember {
 		e.view.mu.Lock()
 		_, had := e.view.members[id]
 		if gone {
@@ -144,7 +144,7 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 		}
 		return
 	}
-	if kind != subjects.KindLease || p >= e.cfg.Partitions {
+	if kind != wire.KindLease || p >= e.cfg.Partitions {
 		return
 	}
 	owner := ""

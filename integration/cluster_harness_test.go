@@ -29,9 +29,10 @@ import (
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
-// clusterEnv is kvmapper as the README's cluster recipe runs it: a 3-node JetStream cluster
+// clusterEnv is kvmapper as docs/cluster.md's recipe runs it: a 3-node JetStream cluster
 // (in process, routes on loopback; natstest.Cluster's Kill is a crash), every stream and bucket
 // at 3 replicas, and three replicas wired as `kvmapper run` wires them (mapper.Replica) with its
 // default settings, replica i connected to node i first and failing over to the others.
@@ -170,7 +171,7 @@ func (e *clusterEnv) leases() []string {
 		for p := range partitions {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			m, err := kvcas.Latest(ctx, e.admin, e.names.Control, subjects.LeaseKey(p))
+			m, err := kvcas.Latest(ctx, e.admin, e.names.Control, wire.LeaseKey(p))
 			if err != nil {
 				return fmt.Errorf("reading lease %d: %w", p, err)
 			}
@@ -456,7 +457,7 @@ type window struct {
 	elected   time.Time
 	maxResume time.Duration
 	// reorders allows messages stored after a later one of their device in the window, which
-	// kvmapper counted: a step-down of an output stream's leader can do that (see the README,
+	// kvmapper counted: a step-down of an output stream's leader can do that (see docs/cluster.md,
 	// "Production on a cluster"); nothing else may.
 	reorders bool
 	// quiet windows only excuse reorders; their gaps are not reported.

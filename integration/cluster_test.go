@@ -20,7 +20,7 @@ import (
 
 // Rates of the generator: 1,000 msgs/s while the control bucket's leader is killed alone, 500
 // around the other faults. The issue states its gap target at 2,000 msgs/s: that is measured
-// with the README's recipe, without the race detector; three servers and three replicas in one
+// with docs/cluster.md's recipe, without the race detector; three servers and three replicas in one
 // process under -race on two shared cores do not keep elections within their bounds at that
 // rate (one of about twenty took 14s).
 const (
@@ -29,7 +29,7 @@ const (
 )
 
 // killRate is the rate while the control bucket's leader is killed: targetRate, or
-// KVMAPPER_TEST_RATE to measure at another (the README's figures: 2,000 without -race).
+// KVMAPPER_TEST_RATE to measure at another (docs/cluster.md's figures: 2,000 without -race).
 func killRate(t *testing.T) int {
 	v := os.Getenv("KVMAPPER_TEST_RATE")
 	if v == "" {
@@ -127,7 +127,7 @@ func TestClusterRidesThroughNodeLoss(t *testing.T) {
 	killed, _ := e.killAndElect(ctlNode, control)
 	e.flows(uint64(2 * rate)) // two seconds of load after the election
 	e.sameOwners("control bucket's leader killed", owners)
-	// The target is 1.5s at most (README, measured without the race detector); the bound is wide
+	// The target is 1.5s at most (docs/cluster.md, measured without the race detector); the bound is wide
 	// for -race on a loaded machine, and still half the pause a lease TTL below the election
 	// time causes (every partition stops and moves: 6.6s measured here with 2s).
 	windows = append(windows, window{name: fmt.Sprintf("control bucket's leader killed alone, %d msgs/s", rate), from: killed, to: time.Now(), maxGap: 3 * time.Second})
@@ -228,7 +228,7 @@ func TestClusterRidesThroughNodeLossPartitionStreams(t *testing.T) {
 	e.sameOwners("node killed", owners)
 	windows = append(windows, window{name: "kill of " + e.c.Name(node), from: killed, to: time.Now()})
 	e.restart(node)
-	// The restarted node leads nothing: setup, run again as the README says, spreads the leaders.
+	// The restarted node leads nothing: setup, run again as docs/cluster.md says, spreads the leaders.
 	windows = append(windows, e.spreadLeaders(owners))
 
 	e.check(gen.finish(0), windows)

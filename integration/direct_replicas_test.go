@@ -19,16 +19,17 @@ import (
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // newDirectEnv is a server set up for direct mode with receive mode r: with the account mapping
 // the mapping receive mode needs (as `kvmapper run --embedded --mode direct` gives its own
 // server), without it for the all receive mode.
-func newDirectEnv(t *testing.T, r setup.Receive) *env {
+func newDirectEnv(t *testing.T, r wire.Receive) *env {
 	t.Helper()
 	srv := natstest.Start(t)
 	lay := layout(t)
-	if r == setup.ReceiveMapping {
+	if r == wire.ReceiveMapping {
 		if err := srv.GlobalAccount().AddMapping(lay.MappingSource(), lay.MappingDest()); err != nil {
 			t.Fatal(err)
 		}
@@ -37,7 +38,7 @@ func newDirectEnv(t *testing.T, r setup.Receive) *env {
 	e.nc, e.js = srv.JetStream(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: lay, Mode: setup.ModeDirect, Receive: r}); err != nil {
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: lay, Mode: wire.ModeDirect, Receive: r}); err != nil {
 		t.Fatalf("setup.Ensure: %v", err)
 	}
 	var err error
@@ -51,15 +52,15 @@ func newDirectEnv(t *testing.T, r setup.Receive) *env {
 }
 
 // eachReceive runs test once per direct receive mode, each on a server of its own.
-func eachReceive(t *testing.T, test func(t *testing.T, e *env, r setup.Receive)) {
+func eachReceive(t *testing.T, test func(t *testing.T, e *env, r wire.Receive)) {
 	t.Helper()
-	for _, r := range []setup.Receive{setup.ReceiveMapping, setup.ReceiveAll} {
+	for _, r := range []wire.Receive{wire.ReceiveMapping, wire.ReceiveAll} {
 		t.Run(string(r), func(t *testing.T) { test(t, newDirectEnv(t, r), r) })
 	}
 }
 
 // startDirect starts `kvmapper run --mode direct` against the env's server and waits until it maps.
-func (e *env) startDirect(id string, r setup.Receive, extra ...string) *mapper {
+func (e *env) startDirect(id string, r wire.Receive, extra ...string) *mapper {
 	e.t.Helper()
 	args := []string{"run", "--server", e.srv.URL(), "--mode", "direct", "--direct-receive", string(r),
 		"--replica-id", id, "--log-format", "json", "--log-level", "debug"}
@@ -222,7 +223,7 @@ func (d *devices) halt() (map[string]int, map[string]time.Duration) {
 // is stored twice, every device's order holds, and no device waits for an acknowledgement much
 // longer than the takeover (lease TTL 1s, then the claim).
 func TestDirectKillNineTakeover(t *testing.T) {
-	eachReceive(t, func(t *testing.T, e *env, r setup.Receive) {
+	eachReceive(t, func(t *testing.T, e *env, r wire.Receive) {
 		devs := e.mappedDevices(32)
 		lw := e.watchLeases()
 		ids := []string{"r0", "r1", "r2"}
@@ -267,7 +268,7 @@ func TestDirectKillNineTakeover(t *testing.T) {
 // no Nats-Msg-Id (OUTGOING could not drop a second copy): every message gets its PubAck from
 // OUTGOING and is stored once, in order.
 func TestDirectGracefulHandoffsLoseNoAcknowledgement(t *testing.T) {
-	eachReceive(t, func(t *testing.T, e *env, r setup.Receive) {
+	eachReceive(t, func(t *testing.T, e *env, r wire.Receive) {
 		devs := e.mappedDevices(32)
 		lw := e.watchLeases()
 		reps := map[string]*mapper{"r0": e.startDirect("r0", r)}

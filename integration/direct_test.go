@@ -16,13 +16,13 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
-// TestDirectQuickStartEmbedded runs the README's direct-mode quick start: `kvmapper run
-// --embedded --mode direct`, then the nats CLI commands it prints, with their outputs as the
-// README shows them.
+// TestDirectQuickStartEmbedded runs the direct-mode quick start of docs/modes-and-layouts.md:
+// `kvmapper run --embedded --mode direct`, then the nats CLI commands it prints, with their
+// outputs as the page shows them.
 func TestDirectQuickStartEmbedded(t *testing.T) {
 	dir := t.TempDir()
 	port := freePort(t)
@@ -110,17 +110,17 @@ func waitTableRevision(t *testing.T, url, id string, rev uint64) {
 // with a rebalance in the middle, the device's partition handed from one replica to another: its
 // messages go to each group in turn, each switch at one point, never back (I4).
 func TestDirectMappingChangeTakesEffectAtOnePoint(t *testing.T) {
-	e := newDirectEnv(t, setup.ReceiveMapping)
+	e := newDirectEnv(t, wire.ReceiveMapping)
 	dev := "dev-42"
 	e.put(dev, "group-a")
-	r0 := e.startDirect("r0", setup.ReceiveMapping)
+	r0 := e.startDirect("r0", wire.ReceiveMapping)
 	e.waitServed("r0")
 	d := e.startDevices([]string{dev}, false)
 	d.waitAcked(100)
 	e.put(dev, "group-b")
 	waitTableRevision(t, e.srv.URL(), "r0", 2)
 	d.waitAcked(100)
-	r1 := e.startDirect("r1", setup.ReceiveMapping)
+	r1 := e.startDirect("r1", wire.ReceiveMapping)
 	e.waitServed("r0", "r1")
 	e.put(dev, "group-c")
 	for _, id := range []string{"r0", "r1"} {
@@ -152,8 +152,8 @@ func TestDirectMappingChangeTakesEffectAtOnePoint(t *testing.T) {
 // direct mode, which has no INCOMING: status must show the owners, the control bucket, OUTGOING
 // and UNMAPPED and say why INCOMING is not read; verify must refuse and say what to check instead.
 func TestDirectStatusAndVerify(t *testing.T) {
-	e := newDirectEnv(t, setup.ReceiveMapping)
-	m := e.startDirect("d0", setup.ReceiveMapping)
+	e := newDirectEnv(t, wire.ReceiveMapping)
+	m := e.startDirect("d0", wire.ReceiveMapping)
 	e.waitServed("d0")
 	e.put("dev-1", "group-a")
 	waitTableRevision(t, e.srv.URL(), "d0", 1)

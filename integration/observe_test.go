@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // TestObserve runs two replicas and looks at them the ways an operator would: kvmapper status,
@@ -69,7 +69,7 @@ func TestObserve(t *testing.T) {
 			if err != nil {
 				return fmt.Errorf("checkpoint.%d: %w", p.Partition, err)
 			}
-			if cp, err := lanes.ParseCheckpoint(ent.Value()); err != nil || cp.Seq != p.Checkpoint {
+			if cp, err := wire.ParseCheckpoint(ent.Value()); err != nil || cp.Seq != p.Checkpoint {
 				return fmt.Errorf("partition %d: status checkpoint %d, bucket %q (%v)", p.Partition, p.Checkpoint, ent.Value(), err)
 			}
 			if p.Epoch == 0 {

@@ -14,8 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
-	"github.com/kvmapper/kvmapper/replay"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // replayLine is a JSON progress line of `kvmapper replay` (stdout not a terminal).
@@ -105,13 +104,13 @@ func TestReplayEqualsTheLiveMapper(t *testing.T) {
 				t.Fatalf("%s: replayed %s %q, live %s %q", id, g.Subject(), g.Data(), w.Subject(), w.Data())
 			}
 			wh, gh := w.Headers(), g.Headers()
-			if gh.Get(replay.HeaderReplay) != l.ID {
-				t.Errorf("%s: %s %q, want %q", id, replay.HeaderReplay, gh.Get(replay.HeaderReplay), l.ID)
+			if gh.Get(wire.HeaderReplay) != l.ID {
+				t.Errorf("%s: %s %q, want %q", id, wire.HeaderReplay, gh.Get(wire.HeaderReplay), l.ID)
 			}
 			for _, h := range []nats.Header{wh, gh} {
 				h.Del(nats.MsgIdHdr)
-				h.Del(replay.HeaderReplay)
-				h.Del(lanes.HeaderEpoch)
+				h.Del(wire.HeaderReplay)
+				h.Del(wire.HeaderEpoch)
 			}
 			if fmt.Sprint(wh) != fmt.Sprint(gh) {
 				t.Fatalf("%s: replayed headers %v, live %v (but Nats-Msg-Id, epoch and replay id)", id, gh, wh)

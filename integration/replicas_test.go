@@ -322,7 +322,7 @@ func TestThreeReplicasKillNineTakeover(t *testing.T) {
 		t.Logf("kill -9 ×%d, %d partitions moved: unowned gap p50 %v, p99 %v, max %v (lease TTL 1s)",
 			kills, len(gaps), p50.Round(time.Millisecond), p99.Round(time.Millisecond), percentile(gaps, 1).Round(time.Millisecond))
 		// Behaviour, with a wide margin for a loaded 2-core machine: takeover follows lease expiry.
-		// This is not a measurement: the README's takeover figure comes from
+		// This is not a measurement: docs/cluster.md's takeover figure comes from
 		// `kvmapper bench --only failover`, run alone.
 		if p99 > 3*time.Second {
 			t.Errorf("unowned gap p99 %v, want well under lease TTL (1s) + 2s", p99)

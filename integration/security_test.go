@@ -19,7 +19,7 @@ import (
 // grants are the NATS permissions one kvmapper command needs, found by running each command
 // against a server that allowed nothing else (and by tracing what it sends). They use the
 // default names; each stream, bucket and subject is a flag, so substitute yours. This is the
-// single source of the README's "Least privilege" section: change both together.
+// single source of docs/security.md's "Least privilege" section: change both together.
 type grants struct {
 	Publish   []string
 	Subscribe []string

@@ -15,16 +15,16 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/wire"
 
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// wire records every publish the mappers make, as it crosses the server: a core NATS
+// wireTap records every publish the mappers make, as it crosses the server: a core NATS
 // subscription on outgoing.> and unmapped.> sees each one, including those OUTGOING then drops
 // as duplicates and those no stream stores. Markers the test publishes go through the same
 // channel, so a marker's position in the record is a boundary in the server's order.
-type wire struct {
+type wireTap struct {
 	t      *testing.T
 	nc     *nats.Conn
 	subs   []*nats.Subscription
@@ -42,9 +42,9 @@ type wireWait struct {
 }
 
 // tapWire starts recording; it stops with t.Cleanup.
-func (e *env) tapWire() *wire {
+func (e *env) tapWire() *wireTap {
 	e.t.Helper()
-	w := &wire{t: e.t, mark: nats.NewInbox(), closed: make(chan struct{})}
+	w := &wireTap{t: e.t, mark: nats.NewInbox(), closed: make(chan struct{})}
 	w.nc = e.srv.Connect(e.t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
 	// One channel for all subscriptions: the connection's reader puts messages into it in the
 	// order the server sent them.
@@ -78,7 +78,7 @@ func (e *env) tapWire() *wire {
 	return w
 }
 
-func (w *wire) record(m *nats.Msg) {
+func (w *wireTap) record(m *nats.Msg) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.msgs = append(w.msgs, m)
@@ -98,7 +98,7 @@ func (w *wire) record(m *nats.Msg) {
 }
 
 // reached returns a channel closed once n publishes have been recorded.
-func (w *wire) reached(n int) <-chan struct{} {
+func (w *wireTap) reached(n int) <-chan struct{} {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	ch := make(chan struct{})
@@ -111,7 +111,7 @@ func (w *wire) reached(n int) <-chan struct{} {
 }
 
 // await waits until n publishes have been recorded.
-func (w *wire) await(n int, timeout time.Duration) {
+func (w *wireTap) await(n int, timeout time.Duration) {
 	w.t.Helper()
 	t := time.NewTimer(timeout)
 	defer t.Stop()
@@ -122,7 +122,7 @@ func (w *wire) await(n int, timeout time.Duration) {
 	}
 }
 
-func (w *wire) count() int {
+func (w *wireTap) count() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.sent
@@ -130,7 +130,7 @@ func (w *wire) count() int {
 
 // marker puts a marker on the record and returns its index once it is there: every publish
 // the server routed before the marker is recorded before it, every later one after it.
-func (w *wire) marker() int {
+func (w *wireTap) marker() int {
 	w.t.Helper()
 	label := strconv.Itoa(int(time.Now().UnixNano()))
 	if err := w.nc.Publish(w.mark, []byte(label)); err != nil {
@@ -153,7 +153,7 @@ func (w *wire) marker() int {
 
 // since returns the publishes recorded after index i (markers left out). It fails the test if
 // the subscription dropped anything: the record would not be complete.
-func (w *wire) since(i int) []*nats.Msg {
+func (w *wireTap) since(i int) []*nats.Msg {
 	w.t.Helper()
 	for _, s := range w.subs {
 		if n, err := s.Dropped(); err != nil || n > 0 {
@@ -174,9 +174,9 @@ func (w *wire) since(i int) []*nats.Msg {
 // provenance reads a publish's partition, epoch and INCOMING sequence from its headers.
 func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, seq uint64) {
 	t.Helper()
-	p, err1 := strconv.Atoi(hdr.Get(lanes.HeaderPartition))
-	epoch, err2 := strconv.ParseUint(hdr.Get(lanes.HeaderEpoch), 10, 64)
-	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (lanes.MsgIDPrefix), or INCOMING-<p>:… in
+	p, err1 := strconv.Atoi(hdr.Get(wire.HeaderPartition))
+	epoch, err2 := strconv.ParseUint(hdr.Get(wire.HeaderEpoch), 10, 64)
+	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (wire.MsgIDPrefix), or INCOMING-<p>:… in
 	// the partition-streams layout.
 	id := hdr.Get(nats.MsgIdHdr)
 	i := strings.LastIndexByte(id, ':')
@@ -218,16 +218,16 @@ func (e *env) partitionSeqs(n int) map[int][]uint64 {
 // checkpoint returns partition p's checkpoint in the control bucket, 0 when there is none.
 func (e *env) checkpoint(p int) uint64 {
 	e.t.Helper()
-	ent, err := e.ctl.Get(context.Background(), subjects.CheckpointKey(p))
+	ent, err := e.ctl.Get(context.Background(), wire.CheckpointKey(p))
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return 0
 	}
 	if err != nil {
-		e.t.Fatalf("Get(%s): %v", subjects.CheckpointKey(p), err)
+		e.t.Fatalf("Get(%s): %v", wire.CheckpointKey(p), err)
 	}
-	cp, err := lanes.ParseCheckpoint(ent.Value())
+	cp, err := wire.ParseCheckpoint(ent.Value())
 	if err != nil {
-		e.t.Fatalf("%s = %q: %v", subjects.CheckpointKey(p), ent.Value(), err)
+		e.t.Fatalf("%s = %q: %v", wire.CheckpointKey(p), ent.Value(), err)
 	}
 	return cp.Seq
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // fence reads the partition's checkpoint and writes it back with compare-and-set before the
@@ -46,7 +47,7 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 	}
 	e, err := l.p.ctl.Get(ctx, l.key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
-		rev, err := l.p.ctl.Create(ctx, l.key, Checkpoint{Incarnation: inc}.Append(nil))
+		rev, err := l.p.ctl.Create(ctx, l.key, wire.Checkpoint{Incarnation: inc}.Append(nil))
 		if err != nil {
 			return 0, err
 		}
@@ -66,7 +67,7 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	cp, err := ParseCheckpoint(e.Value())
+	cp, err := wire.ParseCheckpoint(e.Value())
 	if err != nil {
 		return 0, fmt.Errorf("%w: %s holds %q, not <incarnation>:<sequence>; set it with `nats kv put %s %s %s:<sequence>`",
 			ErrInvalidConfig, l.key, e.Value(), e.Bucket(), l.key, inc)
@@ -95,7 +96,7 @@ func (l *lane) tryFence(ctx context.Context) (uint64, error) {
 // setPosition records the incarnation of the stream the lane reads and the revision of its fence.
 func (l *lane) setPosition(inc string, rev uint64) {
 	l.inc, l.cpRev = inc, rev
-	l.idPrefix = MsgIDPrefix(l.stream, inc)
+	l.idPrefix = wire.MsgIDPrefix(l.stream, inc)
 }
 
 // cpWrite is one checkpoint write: the prefix it writes, the revision it expects (the lane's
@@ -205,7 +206,7 @@ func (l *lane) writeCheckpoint(w cpWrite) cpResult {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	var b [48]byte
-	val := Checkpoint{Incarnation: l.inc, Seq: w.seq}.Append(b[:0])
+	val := wire.Checkpoint{Incarnation: l.inc, Seq: w.seq}.Append(b[:0])
 	rev, err := l.p.ctl.Update(ctx, l.key, val, w.rev)
 	switch {
 	case err == nil:
@@ -240,7 +241,7 @@ func (l *lane) adoptable(m *jetstream.RawStreamMsg, unsure []uint64) bool {
 	if !l.valid() || len(unsure) == 0 {
 		return false
 	}
-	stored, err := ParseCheckpoint(m.Data)
+	stored, err := wire.ParseCheckpoint(m.Data)
 	return err == nil && stored.Incarnation == l.inc && slices.Contains(unsure, stored.Seq)
 }
 

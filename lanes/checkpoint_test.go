@@ -11,6 +11,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // droppingPool is a pool on a connection of its own, whose publishes drop can make vanish.
@@ -55,7 +56,7 @@ func TestUnansweredCheckpointWriteDoesNotBlockTheLane(t *testing.T) {
 		return nil
 	})
 
-	drop.Drop("$KV.kvmapper." + subjects.CheckpointKey(p))
+	drop.Drop("$KV.kvmapper." + wire.CheckpointKey(p))
 	f.publishFrom([]string{dev}, 1, 1, nil) // moves the prefix: the next tick's write goes unanswered
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if drop.Dropped() == 0 {

@@ -13,6 +13,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestReleasedWhileResendingStopsPromptly(t *testing.T) {
@@ -75,7 +76,7 @@ func TestDeadLetterRefusedByUnmapped(t *testing.T) {
 			if tc.stored {
 				dl := f.read("UNMAPPED", 1)[0]
 				h := dl.Headers()
-				if len(dl.Data()) != 0 || h.Get(lanes.HeaderReason) != lanes.ReasonNoMapping || h.Get("Nats-Msg-Id") != f.msgID("nobody", 1) || h.Get(lanes.HeaderError) == "" {
+				if len(dl.Data()) != 0 || h.Get(wire.HeaderReason) != wire.ReasonNoMapping || h.Get("Nats-Msg-Id") != f.msgID("nobody", 1) || h.Get(wire.HeaderError) == "" {
 					t.Errorf("stripped dead letter: %d bytes, headers %v", len(dl.Data()), h)
 				}
 				return

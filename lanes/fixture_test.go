@@ -21,6 +21,7 @@ import (
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // groups is a device → group table for tests, standing in for package kv.
@@ -41,9 +42,9 @@ func (g *groups) lookup(device string) (string, uint64, string) {
 	g.mu.RUnlock()
 	switch {
 	case !ok:
-		return "", 0, lanes.ReasonNoMapping
+		return "", 0, wire.ReasonNoMapping
 	case subjects.ValidToken(grp) != nil:
-		return "", 7, lanes.ReasonInvalidGroup
+		return "", 7, wire.ReasonInvalidGroup
 	}
 	return grp, 7, ""
 }
@@ -326,11 +327,11 @@ func devices(n int) []string {
 
 func (f *fixture) checkpoint(p int) uint64 {
 	f.t.Helper()
-	e, err := f.ctl.Get(context.Background(), subjects.CheckpointKey(p))
+	e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
 	if err != nil {
-		f.t.Fatalf("Get(%s): %v", subjects.CheckpointKey(p), err)
+		f.t.Fatalf("Get(%s): %v", wire.CheckpointKey(p), err)
 	}
-	cp, err := lanes.ParseCheckpoint(e.Value())
+	cp, err := wire.ParseCheckpoint(e.Value())
 	if err != nil {
 		f.t.Fatal(err)
 	}

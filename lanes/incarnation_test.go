@@ -17,6 +17,7 @@ import (
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // runAll runs every partition in a pool like an owner that keeps its leases: a lane that ends
@@ -82,7 +83,7 @@ func (f *fixture) idPrefix(stream string) string {
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	return lanes.MsgIDPrefix(stream, lanes.Incarnation(s.CachedInfo().Created))
+	return wire.MsgIDPrefix(stream, wire.Incarnation(s.CachedInfo().Created))
 }
 
 // checkIDs checks that every message carries a Nats-Msg-Id of the current incarnation of the
@@ -90,7 +91,7 @@ func (f *fixture) idPrefix(stream string) string {
 func (f *fixture) checkIDs(msgs []nats.Header) {
 	f.t.Helper()
 	for i, h := range msgs {
-		p, err := strconv.Atoi(h.Get(lanes.HeaderPartition))
+		p, err := strconv.Atoi(h.Get(wire.HeaderPartition))
 		if err != nil {
 			f.t.Fatalf("message %d: no partition header: %v", i, h)
 		}
@@ -181,7 +182,7 @@ func TestBareCheckpointIsTheCurrentStreams(t *testing.T) {
 	p := subjects.Partition(dev, 16)
 	f.groups.set(dev, "g")
 	f.publish([]string{dev}, 10, nil) // INCOMING 1..10, all of partition p
-	if _, err := f.ctl.PutString(context.Background(), subjects.CheckpointKey(p), "6"); err != nil {
+	if _, err := f.ctl.PutString(context.Background(), wire.CheckpointKey(p), "6"); err != nil {
 		t.Fatal(err)
 	}
 	f.run(lanes.Config{}, nil)
@@ -192,11 +193,11 @@ func TestBareCheckpointIsTheCurrentStreams(t *testing.T) {
 		}
 	}
 	natstest.Eventually(t, 10*time.Second, func() error {
-		e, err := f.ctl.Get(context.Background(), subjects.CheckpointKey(p))
+		e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
 		if err != nil {
 			return err
 		}
-		if cp, err := lanes.ParseCheckpoint(e.Value()); err != nil || cp.Incarnation == "" || cp.Seq != 10 {
+		if cp, err := wire.ParseCheckpoint(e.Value()); err != nil || cp.Incarnation == "" || cp.Seq != 10 {
 			return fmt.Errorf("checkpoint = %q (%+v, %v), want <incarnation>:10", e.Value(), cp, err)
 		}
 		return nil

@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // entry is one INCOMING message on its way out, from publish to acknowledgement.
@@ -89,7 +90,7 @@ type lane struct {
 
 	stream       string    // the stream holding the partition: INCOMING, or INCOMING-<p>
 	filter       string    // the partition's filter on stream; "" when the stream holds it alone
-	inc          string    // incarnation of the stream the lane reads (see [Incarnation])
+	inc          string    // incarnation of the stream the lane reads (see [wire.Incarnation])
 	cpRev        uint64    // revision of our last checkpoint write: the fence
 	checkpointed uint64    // sequence last written
 	acked        uint64    // contiguous acknowledged prefix
@@ -142,7 +143,7 @@ func newLane(p *Pool, a Assignment) *lane {
 		stream:   stream,
 		filter:   filter,
 		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
-		key:      subjects.CheckpointKey(a.Partition),
+		key:      wire.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
 		timeout:  p.cfg.PublishTimeout,
 		clock:    leaseClock{valid: a.Valid},
@@ -351,7 +352,7 @@ func (l *lane) popSettled() {
 		switch {
 		case e.duplicate:
 			l.p.duplicates.Add(1)
-		case e.reason == ReasonDropped:
+		case e.reason == wire.ReasonDropped:
 		case e.reason != "":
 			l.p.countUnmapped(e.reason)
 		case e.parked: // counted by parkSettled
@@ -466,8 +467,8 @@ func (l *lane) build(e *entry, d delivery) {
 	e.text = strconv.AppendUint(append(e.text, l.inbox...), e.seq, 10)
 	e.reply = e.since(from)
 	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
-		hdr[HeaderSubject] = []string{d.msg.Subject()}
-		e.reason = ReasonMalformedSubject
+		hdr[wire.HeaderSubject] = []string{d.msg.Subject()}
+		e.reason = wire.ReasonMalformedSubject
 		e.m.Subject = lay.MalformedSubject()
 		l.deadHeaders(hdr, e.reason, err.Error())
 		return
@@ -490,12 +491,12 @@ func (l *lane) build(e *entry, d delivery) {
 	e.text = lay.AppendOut(e.text, &l.fields, group)
 	e.m.Subject = e.since(from)
 	if !l.p.cfg.NoProvenance {
-		hdr[HeaderPartition] = l.partHdr
-		hdr[HeaderEpoch] = l.epochHdr
+		hdr[wire.HeaderPartition] = l.partHdr
+		hdr[wire.HeaderEpoch] = l.epochHdr
 		from = len(e.text)
 		e.text = strconv.AppendUint(e.text, rev, 10)
 		e.rev[0] = e.since(from)
-		hdr[HeaderRevision] = e.rev[:]
+		hdr[wire.HeaderRevision] = e.rev[:]
 	}
 }
 
@@ -503,7 +504,7 @@ const expectedPrefix = "Nats-Expected-"
 
 // headers fills e's header map with the consumed message's headers, made fit for OUTGOING: the
 // Nats-Expected-* headers addressed INCOMING and are left out, a device's own Nats-Msg-Id is kept
-// under [HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
+// under [wire.HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
 // owner and every retry, so OUTGOING drops anything sent twice. The consumed message's own map
 // is left as it is; its values are shared, never changed.
 func (l *lane) headers(e *entry) nats.Header {
@@ -519,23 +520,23 @@ func (l *lane) headers(e *entry) nats.Header {
 		hdr[k] = v
 	}
 	if id, ok := hdr[nats.MsgIdHdr]; ok {
-		hdr[HeaderOrigMsgID] = id
+		hdr[wire.HeaderOrigMsgID] = id
 	}
 	from := len(e.text)
-	e.text = strconv.AppendUint(append(e.text, l.idPrefix...), e.seq, 10)
+	e.text = wire.AppendMsgID(e.text, l.idPrefix, e.seq)
 	e.id[0] = e.since(from)
 	hdr[nats.MsgIdHdr] = e.id[:]
 	return hdr
 }
 
 func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
-	hdr[HeaderReason] = []string{reason}
+	hdr[wire.HeaderReason] = []string{reason}
 	if why != "" {
-		hdr[HeaderError] = []string{why}
+		hdr[wire.HeaderError] = []string{why}
 	}
 	if !l.p.cfg.NoProvenance {
-		hdr[HeaderPartition] = l.partHdr
-		hdr[HeaderEpoch] = l.epochHdr
+		hdr[wire.HeaderPartition] = l.partHdr
+		hdr[wire.HeaderEpoch] = l.epochHdr
 	}
 	return hdr
 }
@@ -544,15 +545,15 @@ func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
 func (l *lane) redirect(e *entry, reason, why string) {
 	lay := l.p.cfg.Layout
 	hdr := e.msg.Header
-	delete(hdr, HeaderRevision)
+	delete(hdr, wire.HeaderRevision)
 	subject := lay.MalformedSubject()
 	if err := lay.Parse(e.src.Subject(), &l.fields); err == nil {
 		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))
 	}
-	hdr[HeaderSubject] = []string{e.src.Subject()}
+	hdr[wire.HeaderSubject] = []string{e.src.Subject()}
 	e.reason = reason
 	e.msg = &nats.Msg{Subject: subject, Header: l.deadHeaders(hdr, reason, why), Data: e.msg.Data}
-	if reason == ReasonOversized {
+	if reason == wire.ReasonOversized {
 		// The payload itself is what did not fit; it stays in INCOMING under the sequence in
 		// Nats-Msg-Id, which the dead letter names.
 		e.msg.Data = nil
@@ -566,18 +567,18 @@ func permanent(err error) (reason, why string) {
 		return "", ""
 	}
 	if errors.Is(err, nats.ErrMaxPayload) {
-		return ReasonOversized, err.Error()
+		return wire.ReasonOversized, err.Error()
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
 		switch {
 		case apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum || apiErr.ErrorCode == errCodeHeaderExceedsMaximum:
-			return ReasonOversized, apiErr.Description
+			return wire.ReasonOversized, apiErr.Description
 		case apiErr.Code == 400 || apiErr.ErrorCode == errCodeRollupFailed:
 			// A bad request is about the message (a per-message TTL the stream does not allow,
 			// a counter increment, a schedule...): the same bytes would be refused again. So is
 			// a rollup the stream does not allow or cannot apply, which the server answers 500.
-			return ReasonRejected, apiErr.Description
+			return wire.ReasonRejected, apiErr.Description
 		}
 	}
 	return "", ""

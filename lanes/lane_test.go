@@ -18,6 +18,7 @@ import (
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestMain(m *testing.M) {
@@ -52,10 +53,10 @@ func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
 			"X-Trace":               {"abc"},
 			"X-Multi":               {"one", "two"},
 			"Nats-Msg-Id":           {f.msgID("dev-42", 1)},
-			lanes.HeaderOrigMsgID:   {"device-own-id"},
-			lanes.HeaderPartition:   {strconv.Itoa(p)},
-			lanes.HeaderEpoch:       {strconv.Itoa(100 + p)},
-			lanes.HeaderRevision:    {"7"},
+			wire.HeaderOrigMsgID:    {"device-own-id"},
+			wire.HeaderPartition:    {strconv.Itoa(p)},
+			wire.HeaderEpoch:        {strconv.Itoa(100 + p)},
+			wire.HeaderRevision:     {"7"},
 			"Nats-Expected-Stream":  nil,
 			"Nats-Expected-Last-Sq": nil,
 		} {
@@ -93,7 +94,7 @@ func TestNoProvenance(t *testing.T) {
 	f.run(lanes.Config{NoProvenance: true}, nil)
 	f.publish([]string{"dev-1"}, 1, nil)
 	h := f.read("OUTGOING", 1)[0].Headers()
-	for _, k := range []string{lanes.HeaderPartition, lanes.HeaderEpoch, lanes.HeaderRevision} {
+	for _, k := range []string{wire.HeaderPartition, wire.HeaderEpoch, wire.HeaderRevision} {
 		if v := h.Get(k); v != "" {
 			t.Errorf("header %s = %q with NoProvenance", k, v)
 		}
@@ -155,12 +156,12 @@ func TestUnmappedGoToDeadLetters(t *testing.T) {
 	unmapped := f.read("UNMAPPED", 3*(len(devs)-1))
 	for _, m := range unmapped {
 		dev, _, _ := strings.Cut(string(m.Data()), ":")
-		want := lanes.ReasonInvalidGroup
+		want := wire.ReasonInvalidGroup
 		if dev == "nokey" {
-			want = lanes.ReasonNoMapping
+			want = wire.ReasonNoMapping
 		}
-		if got := m.Headers().Get(lanes.HeaderReason); got != want {
-			t.Errorf("device %s: %s=%q, want %q", dev, lanes.HeaderReason, got, want)
+		if got := m.Headers().Get(wire.HeaderReason); got != want {
+			t.Errorf("device %s: %s=%q, want %q", dev, wire.HeaderReason, got, want)
 		}
 		if got := m.Subject(); got != "unmapped."+dev+".evt" {
 			t.Errorf("device %s: subject %q", dev, got)
@@ -178,7 +179,7 @@ func TestUnmappedGoToDeadLetters(t *testing.T) {
 		t.Errorf("after the fix: subject %q, want outgoing.fixed.dot.evt", got)
 	}
 	st := pool.Stats()
-	if st.Unmapped[lanes.ReasonNoMapping] != 3 || st.Unmapped[lanes.ReasonInvalidGroup] != 18 {
+	if st.Unmapped[wire.ReasonNoMapping] != 3 || st.Unmapped[wire.ReasonInvalidGroup] != 18 {
 		t.Errorf("Stats().Unmapped = %v, want 3 no-mapping, 18 invalid-group", st.Unmapped)
 	}
 }
@@ -209,14 +210,14 @@ func TestMalformedSubjectIsDeadLettered(t *testing.T) {
 		if m.Subject() != f.lay.MalformedSubject() || string(m.Data()) != "odd" {
 			t.Errorf("dead letter %q %q, want %q \"odd\"", m.Subject(), m.Data(), f.lay.MalformedSubject())
 		}
-		if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonMalformedSubject {
-			t.Errorf("reason %q, want %q", got, lanes.ReasonMalformedSubject)
+		if got := m.Headers().Get(wire.HeaderReason); got != wire.ReasonMalformedSubject {
+			t.Errorf("reason %q, want %q", got, wire.ReasonMalformedSubject)
 		}
-		if got := m.Headers().Get(lanes.HeaderSubject); got != "incoming.7.too.many.tokens" {
-			t.Errorf("%s = %q", lanes.HeaderSubject, got)
+		if got := m.Headers().Get(wire.HeaderSubject); got != "incoming.7.too.many.tokens" {
+			t.Errorf("%s = %q", wire.HeaderSubject, got)
 		}
-		if m.Headers().Get(lanes.HeaderError) == "" {
-			t.Errorf("no %s header saying what is wrong", lanes.HeaderError)
+		if m.Headers().Get(wire.HeaderError) == "" {
+			t.Errorf("no %s header saying what is wrong", wire.HeaderError)
 		}
 		f.read("OUTGOING", 1)
 	})
@@ -250,13 +251,13 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 		}
 		dl := f.read("UNMAPPED", 1)[0]
 		h := dl.Headers()
-		if h.Get(lanes.HeaderReason) != lanes.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID("dev-1", 2) || h.Get(lanes.HeaderError) == "" {
+		if h.Get(wire.HeaderReason) != wire.ReasonOversized || h.Get("Nats-Msg-Id") != f.msgID("dev-1", 2) || h.Get(wire.HeaderError) == "" {
 			t.Errorf("dead letter headers %v, want reason oversized, Nats-Msg-Id %s and the server's error", h, f.msgID("dev-1", 2))
 		}
 		if dl.Subject() != "unmapped.dev-1.evt" {
 			t.Errorf("dead letter subject %q", dl.Subject())
 		}
-		if st := pool.Stats(); st.Unmapped[lanes.ReasonOversized] != 1 {
+		if st := pool.Stats(); st.Unmapped[wire.ReasonOversized] != 1 {
 			t.Errorf("Stats().Unmapped = %v, want 1 oversized", st.Unmapped)
 		}
 	})
@@ -295,7 +296,7 @@ func TestRefusedHeadersAreRejected(t *testing.T) {
 		f.waitOrDump(pool, "UNMAPPED", 2, 15*time.Second)
 		for i, dl := range f.read("UNMAPPED", 2) {
 			h := dl.Headers()
-			if h.Get(lanes.HeaderReason) != lanes.ReasonRejected || h.Get("Nats-Msg-Id") != f.msgID("dev-1", uint64(i+2)) || h.Get(lanes.HeaderError) == "" {
+			if h.Get(wire.HeaderReason) != wire.ReasonRejected || h.Get("Nats-Msg-Id") != f.msgID("dev-1", uint64(i+2)) || h.Get(wire.HeaderError) == "" {
 				t.Errorf("dead letter %d: headers %v, want reason rejected, Nats-Msg-Id %s and the server's error", i, h, f.msgID("dev-1", uint64(i+2)))
 			}
 		}
@@ -305,7 +306,7 @@ func TestRefusedHeadersAreRejected(t *testing.T) {
 				t.Errorf("OUTGOING[%d] = %q, want %q", i, out[i].Data(), want)
 			}
 		}
-		if st := pool.Stats(); st.Unmapped[lanes.ReasonRejected] != 2 {
+		if st := pool.Stats(); st.Unmapped[wire.ReasonRejected] != 2 {
 			t.Errorf("Stats().Unmapped = %v, want 2 rejected", st.Unmapped)
 		}
 	})
@@ -351,7 +352,7 @@ func TestResentMessagesCountAsDuplicates(t *testing.T) {
 		if st := pool1.Stats(); st.Mapped != 5 || st.Duplicates != 0 {
 			t.Fatalf("first run: Stats() = %+v, want 5 mapped", st)
 		}
-		if err := f.ctl.Delete(context.Background(), subjects.CheckpointKey(p)); err != nil {
+		if err := f.ctl.Delete(context.Background(), wire.CheckpointKey(p)); err != nil {
 			t.Fatal(err)
 		}
 		pool2, _ := f.run(lanes.Config{}, nil)

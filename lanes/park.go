@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // Parking holds the messages of a device that has no mapping in the PARKED stream, one subject
@@ -44,11 +45,11 @@ type ParkConfig struct {
 	// Prefix is the first token(s) of the parked subjects, "<Prefix>.<p>.<device>". Default
 	// "parked".
 	Prefix string
-	// New parks a device whose lookup says [ReasonNoMapping] (kvmapper run --on-unmapped park).
+	// New parks a device whose lookup says [wire.ReasonNoMapping] (kvmapper run --on-unmapped park).
 	// Without it a pool with Stream set still releases, expires and unparks what PARKED holds,
 	// but parks no new device: its devices' order holds when parking is turned off.
 	New bool
-	// MaxAge dead-letters parked messages older than this, as [ReasonParkExpired]. 0: never.
+	// MaxAge dead-letters parked messages older than this, as [wire.ReasonParkExpired]. 0: never.
 	MaxAge time.Duration
 	// SweepInterval is how often a lane looks through its parked devices for one that has a
 	// group (a release request it missed) or messages past MaxAge. Default 1s.
@@ -328,20 +329,20 @@ func (s *parking) parks(device, reason string) bool {
 			return true
 		}
 	}
-	return reason == ReasonNoMapping && s.cfg.New
+	return reason == wire.ReasonNoMapping && s.cfg.New
 }
 
 // parkEntry makes e, built from d with headers hdr, a park: published to the device's subject in
-// PARKED with its stored INCOMING subject in [HeaderSubject], its Nats-Msg-Id the one it would
+// PARKED with its stored INCOMING subject in [wire.HeaderSubject], its Nats-Msg-Id the one it would
 // have in OUTGOING.
 func (l *lane) parkEntry(e *entry, d delivery, hdr nats.Header) {
 	s := l.park
 	e.parked = true
-	hdr[HeaderSubject] = []string{d.msg.Subject()}
-	delete(hdr, HeaderRevision)
+	hdr[wire.HeaderSubject] = []string{d.msg.Subject()}
+	delete(hdr, wire.HeaderRevision)
 	if !l.p.cfg.NoProvenance {
-		hdr[HeaderPartition] = l.partHdr
-		hdr[HeaderEpoch] = l.epochHdr
+		hdr[wire.HeaderPartition] = l.partHdr
+		hdr[wire.HeaderEpoch] = l.epochHdr
 	}
 	dev := s.devices[e.device]
 	if dev == nil {
@@ -398,13 +399,13 @@ func (l *lane) unparkDevice(dev *parkedDevice) {
 // parkRefusal is [permanent] for a park: PARKED refuses a message over its per-device or total
 // limit with the generic "store failed" code (nats-server 2.15 JSStreamStoreFailedF, 10077, HTTP
 // 503) and the store's words, which are the only way to tell those refusals from a store
-// closing under a restart: those refusals are [ReasonParkFull].
+// closing under a restart: those refusals are [wire.ReasonParkFull].
 func parkRefusal(err error) (reason, why string) {
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeStoreFailed {
 		switch apiErr.Description {
 		case storeMaxMsgsPerSubject, storeMaxMsgs, storeMaxBytes:
-			return ReasonParkFull, apiErr.Description
+			return wire.ReasonParkFull, apiErr.Description
 		}
 	}
 	return permanent(err)

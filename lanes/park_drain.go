@@ -9,6 +9,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A drain reads one parked device's messages back from PARKED, in order, with an ordered
@@ -198,20 +200,20 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		if l.park.cfg.MaxAge <= 0 || time.Since(at) <= l.park.cfg.MaxAge {
 			return nil
 		}
-		reason = ReasonParkExpired
+		reason = wire.ReasonParkExpired
 	case drainForce:
 		group, rev, reason = l.p.lookup(d.dev.name)
 	case drainDrop:
-		reason = ReasonParkDropped
+		reason = wire.ReasonParkDropped
 	}
 	if ref.level >= 1 {
 		reason, why = ref.reason, ref.why
 	}
 	lay := l.p.cfg.Layout
-	stored := hdr.Get(HeaderSubject)
+	stored := hdr.Get(wire.HeaderSubject)
 	var subject string
 	if err := lay.Parse(stored, &l.fields); err != nil {
-		reason, why = ReasonMalformedSubject, err.Error()
+		reason, why = wire.ReasonMalformedSubject, err.Error()
 		subject = lay.MalformedSubject()
 	} else if reason == "" {
 		subject = string(lay.AppendOut(l.buf[:0], &l.fields, group))
@@ -221,26 +223,26 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 	e.reason = reason
 	data := m.Data()
 	if reason == "" {
-		delete(hdr, HeaderSubject)
+		delete(hdr, wire.HeaderSubject)
 		if !l.p.cfg.NoProvenance {
-			hdr[HeaderPartition] = l.partHdr
-			hdr[HeaderEpoch] = l.epochHdr
-			hdr[HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
+			hdr[wire.HeaderPartition] = l.partHdr
+			hdr[wire.HeaderEpoch] = l.epochHdr
+			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
 		}
 	} else {
-		delete(hdr, HeaderRevision)
-		hdr[HeaderSubject] = []string{stored}
+		delete(hdr, wire.HeaderRevision)
+		hdr[wire.HeaderSubject] = []string{stored}
 		l.deadHeaders(hdr, reason, why)
-		if reason == ReasonOversized {
+		if reason == wire.ReasonOversized {
 			data = nil // what did not fit; it stays in INCOMING under the sequence in its Nats-Msg-Id
 		}
 	}
 	if ref.level == 2 {
 		hdr = nats.Header{
-			nats.MsgIdHdr: hdr[nats.MsgIdHdr],
-			HeaderReason:  hdr[HeaderReason],
-			HeaderSubject: []string{stored},
-			HeaderError:   hdr[HeaderError],
+			nats.MsgIdHdr:      hdr[nats.MsgIdHdr],
+			wire.HeaderReason:  hdr[wire.HeaderReason],
+			wire.HeaderSubject: []string{stored},
+			wire.HeaderError:   hdr[wire.HeaderError],
 		}
 		data, e.stripped = nil, true
 	}

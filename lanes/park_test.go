@@ -15,6 +15,7 @@ import (
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // parkOn creates PARKED with the limits given (0: setup's defaults) and returns c with parking on.
@@ -184,10 +185,10 @@ func TestParkLimits(t *testing.T) {
 	byDev := map[string][]string{}
 	for _, m := range dead {
 		dev, _, _ := strings.Cut(string(m.Data()), ":")
-		if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonParkFull {
-			t.Fatalf("dead letter %q: reason %q, want %q", m.Data(), got, lanes.ReasonParkFull)
+		if got := m.Headers().Get(wire.HeaderReason); got != wire.ReasonParkFull {
+			t.Fatalf("dead letter %q: reason %q, want %q", m.Data(), got, wire.ReasonParkFull)
 		}
-		byDev[dev] = append(byDev[dev], m.Headers().Get(lanes.HeaderError))
+		byDev[dev] = append(byDev[dev], m.Headers().Get(wire.HeaderError))
 	}
 	if len(byDev["a"]) != 5 || !strings.Contains(byDev["a"][0], "per subject") {
 		t.Errorf("device a's dead letters: %q; want 5 saying the per-device limit was hit", byDev["a"])
@@ -210,7 +211,7 @@ func TestParkLimits(t *testing.T) {
 			}
 		}
 	}
-	if st := pool.Stats(); st.Unmapped[lanes.ReasonParkFull] != 10 {
+	if st := pool.Stats(); st.Unmapped[wire.ReasonParkFull] != 10 {
 		t.Errorf("Stats().Unmapped = %v, want 10 park-full", st.Unmapped)
 	}
 }
@@ -240,8 +241,8 @@ func TestParkMaxAge(t *testing.T) {
 		msgs := ofDevice(dead, d)
 		checkOrder(t, msgs, []string{d}, 5, func(d string) string { return "unmapped." + d + ".evt" })
 		for _, m := range msgs {
-			if got := m.Headers().Get(lanes.HeaderReason); got != lanes.ReasonParkExpired {
-				t.Fatalf("%s: reason %q, want %q", m.Data(), got, lanes.ReasonParkExpired)
+			if got := m.Headers().Get(wire.HeaderReason); got != wire.ReasonParkExpired {
+				t.Fatalf("%s: reason %q, want %q", m.Data(), got, wire.ReasonParkExpired)
 			}
 		}
 	}
@@ -250,7 +251,7 @@ func TestParkMaxAge(t *testing.T) {
 	// Still without a group, its next message is parked again, afresh.
 	f.publishFrom([]string{"new"}, 5, 1, nil)
 	f.waitParked("new", 1)
-	if st := pool.Stats(); st.Unmapped[lanes.ReasonParkExpired] != 10 {
+	if st := pool.Stats(); st.Unmapped[wire.ReasonParkExpired] != 10 {
 		t.Errorf("Stats().Unmapped = %v, want 10 park-expired", st.Unmapped)
 	}
 }
@@ -390,24 +391,24 @@ func TestUnparkByKey(t *testing.T) {
 	f.waitParked("rel", 5)
 	f.waitParked("drop", 5)
 	ctx := context.Background()
-	for d, v := range map[string]string{"rel": lanes.UnparkRelease, "drop": lanes.UnparkDrop, "none": lanes.UnparkRelease} {
-		if _, err := f.ctl.PutString(ctx, subjects.UnparkKey(subjects.Partition(d, 16), d), v); err != nil {
+	for d, v := range map[string]wire.UnparkAction{"rel": wire.UnparkRelease, "drop": wire.UnparkDrop, "none": wire.UnparkRelease} {
+		if _, err := f.ctl.PutString(ctx, wire.UnparkKey(subjects.Partition(d, 16), d), string(v)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	dead := f.read("UNMAPPED", 10)
-	for d, reason := range map[string]string{"rel": lanes.ReasonNoMapping, "drop": lanes.ReasonParkDropped} {
+	for d, reason := range map[string]string{"rel": wire.ReasonNoMapping, "drop": wire.ReasonParkDropped} {
 		msgs := ofDevice(dead, d)
 		checkOrder(t, msgs, []string{d}, 5, func(d string) string { return "unmapped." + d + ".evt" })
 		for _, m := range msgs {
-			if got := m.Headers().Get(lanes.HeaderReason); got != reason {
+			if got := m.Headers().Get(wire.HeaderReason); got != reason {
 				t.Fatalf("%s: reason %q, want %q", m.Data(), got, reason)
 			}
 		}
 	}
 	natstest.Eventually(t, 10*time.Second, func() error {
 		for _, d := range []string{"rel", "drop", "none"} {
-			if _, err := f.ctl.Get(ctx, subjects.UnparkKey(subjects.Partition(d, 16), d)); err == nil {
+			if _, err := f.ctl.Get(ctx, wire.UnparkKey(subjects.Partition(d, 16), d)); err == nil {
 				return fmt.Errorf("the unpark key of %s is still there", d)
 			}
 		}

@@ -2,14 +2,13 @@ package lanes
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // watchUnpark watches the partition's unpark.<p>.<device> keys and hands each put to the lane,
@@ -17,10 +16,10 @@ import (
 // a lane that stopped before acting on it) is seen.
 func (l *lane) watchUnpark(ctx context.Context) {
 	s := l.park
-	prefix := subjects.KindUnpark + "." + fmt.Sprint(l.a.Partition) + "."
+	prefix := wire.UnparkKey(l.a.Partition, "")
 	backoff := l.p.cfg.RetryBackoff
 	for ctx.Err() == nil {
-		w, err := l.p.ctl.Watch(ctx, subjects.UnparkFilter(l.a.Partition), jetstream.IgnoreDeletes())
+		w, err := l.p.ctl.Watch(ctx, wire.UnparkFilter(l.a.Partition), jetstream.IgnoreDeletes())
 		if err == nil {
 			for e := range w.Updates() {
 				if e == nil {
@@ -29,7 +28,7 @@ func (l *lane) watchUnpark(ctx context.Context) {
 				backoff = l.p.cfg.RetryBackoff
 				device, _ := strings.CutPrefix(e.Key(), prefix)
 				mode := drainForce
-				if strings.TrimSpace(string(e.Value())) == UnparkDrop {
+				if wire.ParseUnparkAction(e.Value()) == wire.UnparkDrop {
 					mode = drainDrop
 				}
 				if !s.send(ctx, parkEvent{kind: evUnpark, device: device, mode: mode, rev: e.Revision()}) {
@@ -51,14 +50,6 @@ func (l *lane) watchUnpark(ctx context.Context) {
 		backoff = min(2*backoff, l.p.cfg.MaxRetryBackoff)
 	}
 }
-
-// Values of an unpark.<p>.<device> key: what its partition's owner does with the device's parked
-// messages. UnparkRelease republishes each with the device's group, or dead-letters it with
-// the reason its lookup gives; UnparkDrop dead-letters each as [ReasonParkDropped].
-const (
-	UnparkRelease = "release"
-	UnparkDrop    = "drop"
-)
 
 // unparkRequest acts on an unpark key: the device's drain (running, queued or new) becomes one
 // that empties its park, and the key is deleted once it has. A device that is not parked has its
@@ -88,7 +79,7 @@ func (l *lane) unparkRequest(device string, mode drainMode, rev uint64) {
 // request), on a goroutine of its own.
 func (l *lane) deleteUnparkKey(device string, rev uint64) {
 	s := l.park
-	key := subjects.UnparkKey(l.a.Partition, device)
+	key := wire.UnparkKey(l.a.Partition, device)
 	s.wg.Go(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

@@ -17,7 +17,7 @@ import (
 )
 
 // LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
-// reason ([ReasonNoMapping], [ReasonInvalidGroup]) when the device cannot be mapped. It is called
+// reason ([wire.ReasonNoMapping], [wire.ReasonInvalidGroup]) when the device cannot be mapped. It is called
 // once per message from every lane at once: it must be safe for concurrent use and must not block.
 type LookupFunc func(device string) (group string, revision uint64, reason string)
 

@@ -8,6 +8,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // recover waits until every in-flight publish has settled, then resends, in stream order, every
@@ -150,7 +152,7 @@ func (l *lane) refused(e *entry, reason, why string) bool {
 		l.p.dropped.Add(1)
 		l.log.Error().Uint64("seq", e.seq).Str("error", why).
 			Msg("UNMAPPED refused even a stripped dead letter; giving up on it (it stays in INCOMING at this sequence): check UNMAPPED's limits")
-		e.err, e.acked, e.reason = nil, true, ReasonDropped
+		e.err, e.acked, e.reason = nil, true, wire.ReasonDropped
 		return false
 	}
 	return true
@@ -160,14 +162,14 @@ func (l *lane) refused(e *entry, reason, why string) bool {
 func (l *lane) strip(e *entry, why string) {
 	old := e.msg.Header
 	hdr := nats.Header{
-		nats.MsgIdHdr: old[nats.MsgIdHdr],
-		HeaderReason:  old[HeaderReason],
-		HeaderSubject: []string{e.src.Subject()},
+		nats.MsgIdHdr:      old[nats.MsgIdHdr],
+		wire.HeaderReason:  old[wire.HeaderReason],
+		wire.HeaderSubject: []string{e.src.Subject()},
 	}
-	if v := old.Get(HeaderError); v != "" {
+	if v := old.Get(wire.HeaderError); v != "" {
 		why = v + "; then: " + why
 	}
-	hdr[HeaderError] = []string{why}
+	hdr[wire.HeaderError] = []string{why}
 	e.msg = &nats.Msg{Subject: e.msg.Subject, Header: hdr}
 	e.stripped = true
 }

@@ -15,9 +15,9 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// wire records, from outside the pool, every distinct publish a subscription sees: the first
+// wireTap records, from outside the pool, every distinct publish a subscription sees: the first
 // copy of each Nats-Msg-Id and its size on the wire.
-type wire struct {
+type wireTap struct {
 	mu    sync.Mutex
 	sizes map[string]int
 	bytes int
@@ -25,9 +25,9 @@ type wire struct {
 
 // swallow subscribes to subject on a connection of its own and never answers: to the lanes,
 // every publish there stays in flight, as if the stream took it and never acknowledged.
-func (f *fixture) swallow(subject string) *wire {
+func (f *fixture) swallow(subject string) *wireTap {
 	f.t.Helper()
-	w := &wire{sizes: map[string]int{}}
+	w := &wireTap{sizes: map[string]int{}}
 	nc := f.srv.Connect(f.t)
 	if _, err := nc.Subscribe(subject, func(m *nats.Msg) {
 		id := m.Header.Get(nats.MsgIdHdr)
@@ -46,7 +46,7 @@ func (f *fixture) swallow(subject string) *wire {
 	return w
 }
 
-func (w *wire) seen() (msgs, bytes int) {
+func (w *wireTap) seen() (msgs, bytes int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return len(w.sizes), w.bytes

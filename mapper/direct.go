@@ -9,7 +9,7 @@ import (
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // engine maps the partitions the election hands this replica: the lanes in stream mode, the
@@ -28,7 +28,7 @@ var _ engine = (*lanes.Pool)(nil)
 func newDirect(nc *nats.Conn, lookup direct.LookupFunc, table *kv.Table, control jetstream.KeyValue, cfg Config) (*direct.Pool, error) {
 	dcfg := cfg.Direct
 	dcfg.Layout = cfg.Lanes.Layout
-	dcfg.Receive = direct.Receive(cfg.Setup.Receive)
+	dcfg.Receive = wire.Receive(cfg.Setup.Receive)
 	dcfg.Replica = cfg.ID
 	dcfg.HandoffPrefix = "kvmapper.direct." + control.Bucket()
 	dcfg.Revision, dcfg.CatchUp = table.Revision, table.CatchUp
@@ -41,9 +41,9 @@ func newDirect(nc *nats.Conn, lookup direct.LookupFunc, table *kv.Table, control
 // leaving deletes its own key before it releases its partitions, so nobody is left to hand them
 // to. A failure to read the bucket counts as not alone (the partition waits for a handoff).
 func alone(control jetstream.KeyValue, id string) func(ctx context.Context) bool {
-	own := subjects.MemberKey(id)
+	own := wire.MemberKey(id)
 	return func(ctx context.Context) bool {
-		keys, err := control.ListKeysFiltered(ctx, subjects.KindMember+".>")
+		keys, err := control.ListKeysFiltered(ctx, wire.KindMember+".>")
 		if err != nil {
 			return false
 		}

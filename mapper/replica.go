@@ -21,6 +21,7 @@ import (
 	"github.com/kvmapper/kvmapper/metrics"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
+	"github.com/kvmapper/kvmapper/wire"
 
 	"github.com/kvmapper/kvmapper/subjects"
 )
@@ -51,7 +52,7 @@ type Config struct {
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
 	Version string
-	// Direct tunes direct mode (Setup.Mode is setup.ModeDirect), which runs in place of the lanes;
+	// Direct tunes direct mode (Setup.Mode is wire.ModeDirect), which runs in place of the lanes;
 	// its Layout is the lanes' and its Receive, Replica, HandoffPrefix, Revision, CatchUp, Alone
 	// and Logger are set from the rest.
 	Direct direct.Config
@@ -127,7 +128,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: ID is required", ErrInvalidConfig)
 	}
 	log := cfg.Logger
-	if cfg.Lanes.Park.New && cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Lanes.Park.New && cfg.Setup.Mode == wire.ModeDirect {
 		return nil, fmt.Errorf("%w: parking needs stream mode: in direct mode no stream holds a device's messages", ErrInvalidConfig)
 	}
 	if cfg.Setup.StreamLayout == subjects.AutoLayout {
@@ -178,22 +179,22 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// there is no INCOMING.
 	names := cfg.Setup.Names.WithDefaults()
 	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
-	if cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
 	lookup := func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return "", 0, lanes.ReasonNoMapping
+			return "", 0, wire.ReasonNoMapping
 		}
 		if e.Invalid {
-			return "", e.Revision, lanes.ReasonInvalidGroup
+			return "", e.Revision, wire.ReasonInvalidGroup
 		}
 		return e.Group, e.Revision, ""
 	}
 	var pool engine
 	fenced := lanes.ErrFenced
-	if cfg.Setup.Mode == setup.ModeDirect {
+	if cfg.Setup.Mode == wire.ModeDirect {
 		if r.direct, err = newDirect(js.Conn(), lookup, table, control, cfg); err != nil {
 			return nil, invalid(err, direct.ErrInvalidConfig)
 		}
@@ -320,19 +321,19 @@ func parking(ctx context.Context, js jetstream.JetStream, control jetstream.KeyV
 		pc.Stream = names.Parked
 		return nil
 	}
-	_, err := control.Get(ctx, subjects.ParkedKey)
+	_, err := control.Get(ctx, wire.ParkedKey)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
 		return nil
 	case err != nil:
-		return fmt.Errorf("reading %s in bucket %s: %w", subjects.ParkedKey, control.Bucket(), err)
+		return fmt.Errorf("reading %s in bucket %s: %w", wire.ParkedKey, control.Bucket(), err)
 	}
 	s, err := js.Stream(ctx, names.Parked)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		return nil
 	case err != nil:
-		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, subjects.ParkedKey, control.Bucket(), err)
+		return fmt.Errorf("opening stream %s (this deployment has parked devices: %s is set in bucket %s): %w", names.Parked, wire.ParkedKey, control.Bucket(), err)
 	}
 	pc.Stream = names.Parked
 	if n := s.CachedInfo().State.Msgs; n > 0 {
@@ -361,7 +362,7 @@ func (r *Replica) newObservers(cfg Config) error {
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica:         r.id,
 		Version:         r.version,
-		UnmappedReasons: lanes.Reasons,
+		UnmappedReasons: wire.Reasons,
 		Ready:           r.readyErr,
 		Logger:          r.log.With().Str("component", "metrics").Logger(),
 	})
@@ -382,11 +383,11 @@ func (r *Replica) newObservers(cfg Config) error {
 		return nil
 	}
 	resume := func(ctx context.Context, p int) (uint64, error) {
-		e, err := r.control.Get(ctx, subjects.CheckpointKey(p))
+		e, err := r.control.Get(ctx, wire.CheckpointKey(p))
 		if err != nil {
 			return 0, err
 		}
-		cp, err := lanes.ParseCheckpoint(e.Value())
+		cp, err := wire.ParseCheckpoint(e.Value())
 		return cp.Seq, err
 	}
 	if r.direct != nil {

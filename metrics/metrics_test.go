@@ -21,6 +21,7 @@ import (
 	"github.com/kvmapper/kvmapper/metrics"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // TestMetricsOfARealPool maps messages with a real lanes.Pool and kv.Table on an embedded
@@ -61,10 +62,10 @@ func TestMetricsOfARealPool(t *testing.T) {
 	pool, err := lanes.New(js, ctl, func(device string) (string, uint64, string) {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return "", 0, lanes.ReasonNoMapping
+			return "", 0, wire.ReasonNoMapping
 		}
 		if e.Invalid {
-			return "", e.Revision, lanes.ReasonInvalidGroup
+			return "", e.Revision, wire.ReasonInvalidGroup
 		}
 		return e.Group, e.Revision, ""
 	}, lanes.Config{Layout: lay, CheckpointInterval: 20 * time.Millisecond})
@@ -83,7 +84,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 	}, metrics.Config{
 		Replica:         "r0",
 		Version:         "dev",
-		UnmappedReasons: []string{lanes.ReasonNoMapping, lanes.ReasonInvalidGroup},
+		UnmappedReasons: []string{wire.ReasonNoMapping, wire.ReasonInvalidGroup},
 		Ready: func() error {
 			if !nc.IsConnected() {
 				return errors.New("not connected to NATS")

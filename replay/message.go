@@ -6,17 +6,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvmapper/kvmapper/lanes"
-)
-
-// HeaderReplay names, on every message a replay publishes (unless provenance is off), the
-// replay's id.
-const HeaderReplay = "KVMapper-Replay"
-
-// Dead-letter reasons a replay gives as the live mapper does (package lanes).
-const (
-	reasonOversized = lanes.ReasonOversized
-	reasonRejected  = lanes.ReasonRejected
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 const expectedPrefix = "Nats-Expected-"
@@ -34,8 +24,8 @@ func (r *Replay) build(e *entry, src source) bool {
 			return false // it belongs to no device
 		}
 		hdr := r.headers(e, src)
-		hdr[lanes.HeaderSubject] = []string{m.Subject()}
-		e.reason = lanes.ReasonMalformedSubject
+		hdr[wire.HeaderSubject] = []string{m.Subject()}
+		e.reason = wire.ReasonMalformedSubject
 		e.msg = &nats.Msg{Subject: lay.MalformedSubject(), Header: hdr, Data: m.Data()}
 		r.deadHeaders(hdr, e.reason, err.Error(), -1)
 		e.target = r.tg.dead
@@ -53,9 +43,9 @@ func (r *Replay) build(e *entry, src source) bool {
 	case r.snap.Unknown(device):
 		reason = ReasonHistoryMissing
 	case !ok:
-		reason = lanes.ReasonNoMapping
+		reason = wire.ReasonNoMapping
 	case ent.Invalid:
-		reason = lanes.ReasonInvalidGroup
+		reason = wire.ReasonInvalidGroup
 	}
 	if reason != "" {
 		e.reason = reason
@@ -70,9 +60,9 @@ func (r *Replay) build(e *entry, src source) bool {
 	e.msg.Subject = string(r.buf)
 	e.target = r.tg.into
 	if !r.cfg.NoProvenance {
-		hdr[lanes.HeaderPartition] = []string{strconv.Itoa(p)}
-		hdr[lanes.HeaderRevision] = []string{strconv.FormatUint(ent.Revision, 10)}
-		hdr[HeaderReplay] = []string{r.id}
+		hdr[wire.HeaderPartition] = []string{strconv.Itoa(p)}
+		hdr[wire.HeaderRevision] = []string{strconv.FormatUint(ent.Revision, 10)}
+		hdr[wire.HeaderReplay] = []string{r.id}
 	}
 	return true
 }
@@ -91,7 +81,7 @@ func (r *Replay) headers(e *entry, src source) nats.Header {
 		}
 	}
 	if id, ok := hdr[nats.MsgIdHdr]; ok {
-		hdr[lanes.HeaderOrigMsgID] = id
+		hdr[wire.HeaderOrigMsgID] = id
 	}
 	hdr[nats.MsgIdHdr] = []string{r.idPrefix(src) + strconv.FormatUint(e.seq, 10)}
 	return hdr
@@ -100,15 +90,15 @@ func (r *Replay) headers(e *entry, src source) nats.Header {
 // deadHeaders adds a dead letter's reason, error and provenance; p is -1 when the subject named
 // no partition.
 func (r *Replay) deadHeaders(hdr nats.Header, reason, why string, p int) {
-	hdr[lanes.HeaderReason] = []string{reason}
+	hdr[wire.HeaderReason] = []string{reason}
 	if why != "" {
-		hdr[lanes.HeaderError] = []string{why}
+		hdr[wire.HeaderError] = []string{why}
 	}
 	if !r.cfg.NoProvenance {
 		if p >= 0 {
-			hdr[lanes.HeaderPartition] = []string{strconv.Itoa(p)}
+			hdr[wire.HeaderPartition] = []string{strconv.Itoa(p)}
 		}
-		hdr[HeaderReplay] = []string{r.id}
+		hdr[wire.HeaderReplay] = []string{r.id}
 	}
 }
 
@@ -116,16 +106,16 @@ func (r *Replay) deadHeaders(hdr nats.Header, reason, why string, p int) {
 func (r *Replay) redirect(e *entry, reason, why string) {
 	lay := r.cfg.Layout
 	hdr := e.msg.Header
-	delete(hdr, lanes.HeaderRevision)
+	delete(hdr, wire.HeaderRevision)
 	subject, p := lay.MalformedSubject(), -1
 	if err := lay.Parse(e.src.Subject(), &r.fields); err == nil {
 		subject, p = string(lay.AppendUnmapped(r.buf[:0], &r.fields)), r.fields.Partition()
 	}
-	hdr[lanes.HeaderSubject] = []string{e.src.Subject()}
+	hdr[wire.HeaderSubject] = []string{e.src.Subject()}
 	r.deadHeaders(hdr, reason, why, p)
 	e.reason, e.group = reason, ""
 	data := e.msg.Data
-	if reason == reasonOversized {
+	if reason == wire.ReasonOversized {
 		data = nil // the payload is what did not fit; it stays in INCOMING
 	}
 	e.msg = &nats.Msg{Subject: subject, Header: hdr, Data: data}
@@ -135,14 +125,14 @@ func (r *Replay) redirect(e *entry, reason, why string) {
 // strip reduces a dead letter to what says why it is one: no payload, no original headers.
 func (r *Replay) strip(e *entry, why string) {
 	old := e.msg.Header
-	if v := old.Get(lanes.HeaderError); v != "" {
+	if v := old.Get(wire.HeaderError); v != "" {
 		why = v + "; then: " + why
 	}
 	hdr := nats.Header{
-		nats.MsgIdHdr:       old[nats.MsgIdHdr],
-		lanes.HeaderReason:  old[lanes.HeaderReason],
-		lanes.HeaderSubject: []string{e.src.Subject()},
-		lanes.HeaderError:   []string{why},
+		nats.MsgIdHdr:      old[nats.MsgIdHdr],
+		wire.HeaderReason:  old[wire.HeaderReason],
+		wire.HeaderSubject: []string{e.src.Subject()},
+		wire.HeaderError:   []string{why},
 	}
 	e.msg = &nats.Msg{Subject: e.msg.Subject, Header: hdr}
 	e.stripped = true

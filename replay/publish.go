@@ -10,6 +10,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // entry is one message of the range on its way out. Entries that publish nothing (skipped,
@@ -218,7 +220,7 @@ func (r *Replay) count(e *entry) {
 		return // skipped or already stored: counted when taken
 	}
 	switch {
-	case e.reason == reasonDropped:
+	case e.reason == wire.ReasonDropped:
 		r.sum.Dropped++
 	case e.reason != "":
 		r.sum.Reasons[e.reason]++
@@ -229,9 +231,6 @@ func (r *Replay) count(e *entry) {
 		}
 	}
 }
-
-// reasonDropped marks a dead letter the dead-letter stream refused even stripped.
-const reasonDropped = "dropped"
 
 // take turns one message read into an entry, publishes it unless there is nothing to publish,
 // and queues it.
@@ -268,7 +267,7 @@ func (r *Replay) fits(e *entry) bool {
 			return true
 		}
 		why := fmt.Sprintf("message size %d exceeds the maximum %d of stream %s", size, limit, e.target)
-		if !r.refused(e, reasonOversized, why) {
+		if !r.refused(e, wire.ReasonOversized, why) {
 			return false
 		}
 	}
@@ -375,7 +374,7 @@ func (r *Replay) refused(e *entry, reason, why string) bool {
 	default:
 		r.log.Error().Uint64("seq", e.seq).Str("error", why).Str("stream", e.target).
 			Msg("the dead-letter stream refused even a stripped dead letter; giving up on it (it stays in INCOMING at this sequence)")
-		e.err, e.reason, e.ack = nil, reasonDropped, &jetstream.PubAck{Stream: e.target}
+		e.err, e.reason, e.ack = nil, wire.ReasonDropped, &jetstream.PubAck{Stream: e.target}
 		return false
 	}
 	return true
@@ -385,15 +384,15 @@ func (r *Replay) refused(e *entry, reason, why string) bool {
 // fix, and which dead-letter reason it gets (as the live mapper does).
 func permanent(err error) (reason, why string) {
 	if errors.Is(err, nats.ErrMaxPayload) {
-		return reasonOversized, err.Error()
+		return wire.ReasonOversized, err.Error()
 	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) {
 		switch {
 		case apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum || apiErr.ErrorCode == errCodeHeaderExceedsMaximum:
-			return reasonOversized, apiErr.Description
+			return wire.ReasonOversized, apiErr.Description
 		case apiErr.Code == 400:
-			return reasonRejected, apiErr.Description
+			return wire.ReasonRejected, apiErr.Description
 		}
 	}
 	return "", ""

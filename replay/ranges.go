@@ -11,8 +11,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // source is one stream a replay reads and its range: INCOMING (filtered on one partition when
@@ -69,7 +69,7 @@ func (r *Replay) openSources(ctx context.Context) ([]source, error) {
 		if err != nil {
 			return fmt.Errorf("replay: reading stream %s: %w", stream, err)
 		}
-		out = append(out, source{Stream: stream, Filter: filter, Incarnation: lanes.Incarnation(s.CachedInfo().Created)})
+		out = append(out, source{Stream: stream, Filter: filter, Incarnation: wire.Incarnation(s.CachedInfo().Created)})
 		return nil
 	}
 	var parts []int

@@ -12,7 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // read hands every message of src after src.Done through src.Last to out, in stream order, with
@@ -97,7 +97,7 @@ func (r *Replay) checkIncarnation(ctx context.Context, src source) error {
 	if err != nil {
 		return fmt.Errorf("replay: reading stream %s: %w", src.Stream, err)
 	}
-	if inc := lanes.Incarnation(s.CachedInfo().Created); inc != src.Incarnation {
+	if inc := wire.Incarnation(s.CachedInfo().Created); inc != src.Incarnation {
 		return fmt.Errorf("%w: stream %s is incarnation %s now, the replay began on %s", ErrRecreated, src.Stream, inc, src.Incarnation)
 	}
 	return nil
@@ -106,7 +106,7 @@ func (r *Replay) checkIncarnation(ctx context.Context, src source) error {
 // idPrefix is the start of the Nats-Msg-Id of every message the replay publishes from src:
 // "replay:<id>:<stream>:<incarnation>:", followed by the message's sequence in src.
 func (r *Replay) idPrefix(src source) string {
-	return "replay:" + r.id + ":" + lanes.MsgIDPrefix(src.Stream, src.Incarnation)
+	return wire.ReplayMsgIDPrefix(r.id, src.Stream, src.Incarnation)
 }
 
 // scan reads what each target stored after its floor, and notes the messages of this replay

@@ -12,10 +12,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/kvcas"
 )
 
-// RecordKey is the control-bucket key of a replay's progress record: "replay.<id>".
-func RecordKey(id string) string { return "replay." + id }
-
-// record is a replay's progress, stored as JSON under [RecordKey] in the control bucket. It holds
+// record is a replay's progress, stored as JSON under [wire.ReplayKey] in the control bucket. It holds
 // what the replay resolved when it first started (the ranges, the as-of revision), so that a
 // resumed replay publishes exactly what the first run would have, and how far it got.
 type record struct {

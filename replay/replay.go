@@ -16,6 +16,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/ratelog"
 	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // Range is the part of one stream a replay reads.
@@ -157,7 +158,7 @@ func (r *Replay) Run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("replay: opening the control bucket %s: %w", r.cfg.Names.Control, err)
 		}
-		r.st = &store{kv: ctl, key: RecordKey(r.id)}
+		r.st = &store{kv: ctl, key: wire.ReplayKey(r.id)}
 		rec, ok, err := r.st.load(ctx)
 		if err != nil {
 			return err

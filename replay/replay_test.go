@@ -10,9 +10,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/replay"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A replay maps every message of the range, in each device's order, with the headers the live
@@ -28,7 +28,7 @@ func TestReplayMapsARange(t *testing.T) {
 
 		s := f.mustRun(f.config())
 		n := uint64(len(devs) * 10)
-		if s.Mapped != n || s.Reasons[lanes.ReasonNoMapping] != 10 || s.Reasons[lanes.ReasonInvalidGroup] != 10 || s.Read != n+20 {
+		if s.Mapped != n || s.Reasons[wire.ReasonNoMapping] != 10 || s.Reasons[wire.ReasonInvalidGroup] != 10 || s.Read != n+20 {
 			t.Errorf("summary: read %d, mapped %d, unmapped %v; want %d, %d, 10 of each reason", s.Read, s.Mapped, s.Reasons, n+20, n)
 		}
 		if s.Groups["g0"] != 40 || s.Into != "REPLAY" || s.DeadLetters != "REPLAY" {
@@ -56,29 +56,29 @@ func TestReplayMapsARange(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := "replay:" + s.ID + ":" + lanes.MsgIDPrefix(stream, lanes.Incarnation(info.CachedInfo().Created)) + seq
+			want := "replay:" + s.ID + ":" + wire.MsgIDPrefix(stream, wire.Incarnation(info.CachedInfo().Created)) + seq
 			if got := h.Get(nats.MsgIdHdr); got != want {
 				t.Fatalf("message %q: Nats-Msg-Id %q, want %q", m.Data(), got, want)
 			}
 			dev, _, _ := strings.Cut(string(m.Data()), ":")
-			if got, want := h.Get(lanes.HeaderPartition), fmt.Sprint(subjects.Partition(dev, 16)); got != want {
-				t.Errorf("message %q: %s %q, want %q", m.Data(), lanes.HeaderPartition, got, want)
+			if got, want := h.Get(wire.HeaderPartition), fmt.Sprint(subjects.Partition(dev, 16)); got != want {
+				t.Errorf("message %q: %s %q, want %q", m.Data(), wire.HeaderPartition, got, want)
 			}
-			if h.Get(replay.HeaderReplay) != s.ID || h.Get(lanes.HeaderEpoch) != "" {
-				t.Errorf("message %q: %s %q, %s %q; want the replay's id and no epoch", m.Data(), replay.HeaderReplay, h.Get(replay.HeaderReplay), lanes.HeaderEpoch, h.Get(lanes.HeaderEpoch))
+			if h.Get(wire.HeaderReplay) != s.ID || h.Get(wire.HeaderEpoch) != "" {
+				t.Errorf("message %q: %s %q, %s %q; want the replay's id and no epoch", m.Data(), wire.HeaderReplay, h.Get(wire.HeaderReplay), wire.HeaderEpoch, h.Get(wire.HeaderEpoch))
 			}
 			switch dev {
 			case "nomap":
-				if h.Get(lanes.HeaderReason) != lanes.ReasonNoMapping {
-					t.Errorf("message %q: reason %q, want %s", m.Data(), h.Get(lanes.HeaderReason), lanes.ReasonNoMapping)
+				if h.Get(wire.HeaderReason) != wire.ReasonNoMapping {
+					t.Errorf("message %q: reason %q, want %s", m.Data(), h.Get(wire.HeaderReason), wire.ReasonNoMapping)
 				}
 			case "bad":
-				if h.Get(lanes.HeaderReason) != lanes.ReasonInvalidGroup || h.Get(lanes.HeaderRevision) != "" {
-					t.Errorf("message %q: reason %q, revision %q; want %s and none (rev %d is invalid)", m.Data(), h.Get(lanes.HeaderReason), h.Get(lanes.HeaderRevision), lanes.ReasonInvalidGroup, revBad)
+				if h.Get(wire.HeaderReason) != wire.ReasonInvalidGroup || h.Get(wire.HeaderRevision) != "" {
+					t.Errorf("message %q: reason %q, revision %q; want %s and none (rev %d is invalid)", m.Data(), h.Get(wire.HeaderReason), h.Get(wire.HeaderRevision), wire.ReasonInvalidGroup, revBad)
 				}
 			default:
-				if h.Get(lanes.HeaderRevision) == "" || h.Get(lanes.HeaderReason) != "" {
-					t.Errorf("message %q: revision %q, reason %q; want the mapping's revision and no reason", m.Data(), h.Get(lanes.HeaderRevision), h.Get(lanes.HeaderReason))
+				if h.Get(wire.HeaderRevision) == "" || h.Get(wire.HeaderReason) != "" {
+					t.Errorf("message %q: revision %q, reason %q; want the mapping's revision and no reason", m.Data(), h.Get(wire.HeaderRevision), h.Get(wire.HeaderReason))
 				}
 			}
 		}
@@ -198,8 +198,8 @@ func TestHeadersAsTheLiveMapperKeepsThem(t *testing.T) {
 	}
 	f.mustRun(f.config())
 	got := f.read("REPLAY")[0].Headers()
-	if got.Get(lanes.HeaderOrigMsgID) != "own-1" || got.Get("Nats-Expected-Stream") != "" || got.Get("X-Trace") != "abc" ||
+	if got.Get(wire.HeaderOrigMsgID) != "own-1" || got.Get("Nats-Expected-Stream") != "" || got.Get("X-Trace") != "abc" ||
 		!strings.HasPrefix(got.Get(nats.MsgIdHdr), "replay:") {
-		t.Errorf("replayed headers %v, want %s own-1, no Nats-Expected-Stream, X-Trace abc, the replay's Nats-Msg-Id", got, lanes.HeaderOrigMsgID)
+		t.Errorf("replayed headers %v, want %s own-1, no Nats-Expected-Stream, X-Trace abc, the replay's Nats-Msg-Id", got, wire.HeaderOrigMsgID)
 	}
 }

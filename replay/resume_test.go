@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/replay"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // progressRecord is the part of a replay's progress record the tests look at.
@@ -105,7 +106,7 @@ func TestResumeAfterACrashStoresNothingTwice(t *testing.T) {
 	if first.Mapped != 1600 {
 		t.Fatalf("first run mapped %d, want 1600", first.Mapped)
 	}
-	key := replay.RecordKey(first.ID)
+	key := wire.ReplayKey(first.ID)
 	ctx := context.Background()
 	// Back to a record written early on: as if the process had been killed just after it, with
 	// everything up to 1600 already stored.

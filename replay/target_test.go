@@ -11,9 +11,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/replay"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A replay goes only where it is told: never into INCOMING, the live dead letters or a subject
@@ -61,7 +61,7 @@ func TestWhereAReplayMayGo(t *testing.T) {
 	cfg = f.config()
 	cfg.Into, cfg.Layout, cfg.IntoOutgoing = "OUTGOING", live, true
 	s := f.mustRun(cfg)
-	if s.DeadLetters != "UNMAPPED" || s.Mapped != 3 || s.Reasons[lanes.ReasonNoMapping] != 3 {
+	if s.DeadLetters != "UNMAPPED" || s.Mapped != 3 || s.Reasons[wire.ReasonNoMapping] != 3 {
 		t.Errorf("into OUTGOING: dead letters to %s, mapped %d, unmapped %v; want UNMAPPED, 3, no-mapping: 3", s.DeadLetters, s.Mapped, s.Reasons)
 	}
 	if got := perDevice(t, f.read("UNMAPPED"))["nomap"]; len(got) != 3 || got[0] != "unmapped.nomap.evt" {
@@ -98,7 +98,7 @@ func TestBadInputIsDeadLettered(t *testing.T) {
 	cfg := f.config()
 	cfg.Create = false
 	sum := f.mustRun(cfg)
-	if sum.Reasons[lanes.ReasonMalformedSubject] != 1 || sum.Reasons[lanes.ReasonOversized] != 1 || sum.Mapped != 2 {
+	if sum.Reasons[wire.ReasonMalformedSubject] != 1 || sum.Reasons[wire.ReasonOversized] != 1 || sum.Mapped != 2 {
 		t.Errorf("summary: unmapped %v, mapped %d; want one malformed, one oversized, 2 mapped", sum.Reasons, sum.Mapped)
 	}
 	msgs := f.read("REPLAY")
@@ -107,14 +107,14 @@ func TestBadInputIsDeadLettered(t *testing.T) {
 	}
 	odd := msgs[1]
 	if odd.Subject() != "replay-unmapped._malformed._malformed" || string(odd.Data()) != "odd" ||
-		odd.Headers().Get(lanes.HeaderReason) != lanes.ReasonMalformedSubject || odd.Headers().Get(lanes.HeaderSubject) != "incoming.7.too.many.tokens" ||
-		odd.Headers().Get(lanes.HeaderError) == "" {
+		odd.Headers().Get(wire.HeaderReason) != wire.ReasonMalformedSubject || odd.Headers().Get(wire.HeaderSubject) != "incoming.7.too.many.tokens" ||
+		odd.Headers().Get(wire.HeaderError) == "" {
 		t.Errorf("malformed dead letter: %s %q %v", odd.Subject(), odd.Data(), odd.Headers())
 	}
 	big := msgs[2]
-	if big.Subject() != "replay-unmapped.dev.evt" || len(big.Data()) != 0 || big.Headers().Get(lanes.HeaderReason) != lanes.ReasonOversized {
+	if big.Subject() != "replay-unmapped.dev.evt" || len(big.Data()) != 0 || big.Headers().Get(wire.HeaderReason) != wire.ReasonOversized {
 		t.Errorf("oversized dead letter: %s, %d bytes, reason %q; want replay-unmapped.dev.evt, no payload, %s",
-			big.Subject(), len(big.Data()), big.Headers().Get(lanes.HeaderReason), lanes.ReasonOversized)
+			big.Subject(), len(big.Data()), big.Headers().Get(wire.HeaderReason), wire.ReasonOversized)
 	}
 	if string(msgs[0].Data()) != "dev:0" || string(msgs[3].Data()) != "dev:2" {
 		t.Errorf("dev's messages around the dead letters: %q, %q; want dev:0, dev:2", msgs[0].Data(), msgs[3].Data())
@@ -130,13 +130,13 @@ func TestDryRun(t *testing.T) {
 	cfg := f.config()
 	cfg.DryRun = true
 	s := f.mustRun(cfg)
-	if s.Groups["g1"] != 4 || s.Groups["g2"] != 4 || s.Reasons[lanes.ReasonNoMapping] != 4 || s.Mapped != 8 || !s.DryRun {
+	if s.Groups["g1"] != 4 || s.Groups["g2"] != 4 || s.Reasons[wire.ReasonNoMapping] != 4 || s.Mapped != 8 || !s.DryRun {
 		t.Errorf("dry run: groups %v, unmapped %v, mapped %d; want g1 4, g2 4, no-mapping 4, 8", s.Groups, s.Reasons, s.Mapped)
 	}
 	if _, err := f.js.Stream(context.Background(), "REPLAY"); !errors.Is(err, jetstream.ErrStreamNotFound) {
 		t.Errorf("a dry run created REPLAY (%v)", err)
 	}
-	if _, err := f.ctl.Get(context.Background(), replay.RecordKey(s.ID)); !errors.Is(err, jetstream.ErrKeyNotFound) {
+	if _, err := f.ctl.Get(context.Background(), wire.ReplayKey(s.ID)); !errors.Is(err, jetstream.ErrKeyNotFound) {
 		t.Errorf("a dry run wrote its progress record (%v)", err)
 	}
 }

@@ -12,59 +12,11 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
-// Mode is what devices publish into.
-type Mode string
-
-const (
-	// ModeStream (the default): devices publish into INCOMING, and the replicas map what it
-	// stores.
-	ModeStream Mode = "stream"
-	// ModeDirect: no stream captures what devices publish; the owner of each partition receives
-	// it over core NATS and republishes it to OUTGOING with the device's reply subject, so that
-	// the device's acknowledgement comes from OUTGOING. [Ensure] creates no INCOMING, refuses any
-	// stream that captures the device subjects and probes how the server delivers them
-	// ([CheckDirect]).
-	ModeDirect Mode = "direct"
-)
-
-// ParseMode reads a mode's name, "stream" or "direct"; "" is [ModeStream].
-func ParseMode(s string) (Mode, error) {
-	switch m := Mode(s); m {
-	case "", ModeStream:
-		return ModeStream, nil
-	case ModeDirect:
-		return m, nil
-	}
-	return "", fmt.Errorf("%w: mode %q: use %s or %s", ErrInvalidConfig, s, ModeStream, ModeDirect)
-}
-
-// Receive says how the replicas of direct mode receive what devices publish.
-type Receive string
-
-const (
-	// ReceiveMapping (the default): the server's account mapping stamps the partition on every
-	// device subject ([MappingConfig]); each owner subscribes to its own partitions.
-	ReceiveMapping Receive = "mapping"
-	// ReceiveAll: the server maps nothing; every replica subscribes to every device subject and
-	// keeps its own partitions.
-	ReceiveAll Receive = "all"
-)
-
-// ParseReceive reads a receive mode's name, "mapping" or "all"; "" is [ReceiveMapping].
-func ParseReceive(s string) (Receive, error) {
-	switch r := Receive(s); r {
-	case "", ReceiveMapping:
-		return ReceiveMapping, nil
-	case ReceiveAll:
-		return r, nil
-	}
-	return "", fmt.Errorf("%w: receive mode %q: use %s or %s", ErrInvalidConfig, s, ReceiveMapping, ReceiveAll)
-}
-
-// markMode records cfg.Mode in the control bucket's [subjects.ModeKey], which status and verify
-// read (in direct mode there is no INCOMING to read): direct mode writes [subjects.DirectMode]
+// markMode records cfg.Mode in the control bucket's [wire.ModeKey], which status and verify
+// read (in direct mode there is no INCOMING to read): direct mode writes [wire.ModeDirect]
 // unless the key holds it already; stream mode deletes a direct mark an earlier deployment left,
 // and otherwise writes nothing (no key means stream mode, as for a bucket set up before the key
 // existed). It returns line, with what it changed added.
@@ -73,29 +25,25 @@ func markMode(ctx context.Context, js jetstream.JetStream, cfg Config, line stri
 	if err != nil {
 		return "", fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
 	}
-	e, err := ctl.Get(ctx, subjects.ModeKey)
-	marked := err == nil && string(e.Value()) == subjects.DirectMode
+	e, err := ctl.Get(ctx, wire.ModeKey)
+	marked := err == nil && wire.MarksDirect(e.Value())
 	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
-		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ModeKey, cfg.Control, err)
 	}
 	switch {
-	case cfg.Mode == ModeDirect && !marked:
-		if _, err := ctl.PutString(ctx, subjects.ModeKey, subjects.DirectMode); err != nil {
-			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+	case cfg.Mode == wire.ModeDirect && !marked:
+		if _, err := ctl.PutString(ctx, wire.ModeKey, string(wire.ModeDirect)); err != nil {
+			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", wire.ModeKey, cfg.Control, err)
 		}
-		return fmt.Sprintf("%s; marked as direct mode (key %s)", line, subjects.ModeKey), nil
-	case cfg.Mode != ModeDirect && marked:
-		if err := ctl.Delete(ctx, subjects.ModeKey); err != nil {
-			return "", fmt.Errorf("setup: deleting %s in bucket %s: %w", subjects.ModeKey, cfg.Control, err)
+		return fmt.Sprintf("%s; marked as direct mode (key %s)", line, wire.ModeKey), nil
+	case cfg.Mode != wire.ModeDirect && marked:
+		if err := ctl.Delete(ctx, wire.ModeKey); err != nil {
+			return "", fmt.Errorf("setup: deleting %s in bucket %s: %w", wire.ModeKey, cfg.Control, err)
 		}
-		return fmt.Sprintf("%s; its direct mode mark removed (key %s): stream mode", line, subjects.ModeKey), nil
+		return fmt.Sprintf("%s; its direct mode mark removed (key %s): stream mode", line, wire.ModeKey), nil
 	}
 	return line, nil
 }
-
-// ProbeHeader marks the probes [CheckDirect] publishes; the replicas of direct mode drop a
-// message carrying it whose device id starts with kvmapper-probe-.
-const ProbeHeader = "KVMapper-Probe"
 
 // storedWildcard is the shape of a device subject once the account mapping has written its
 // partition into it: "incoming.*.*.*".
@@ -105,13 +53,13 @@ func storedWildcard(lay *subjects.Layout) string {
 }
 
 // ensureDirect checks what direct mode needs of the server: no stream capturing the device
-// subjects, and the account mapping present (ReceiveMapping) or absent (ReceiveAll).
+// subjects, and the account mapping present (wire.ReceiveMapping) or absent (wire.ReceiveAll).
 func ensureDirect(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {
 	if err := CheckDirect(ctx, js, cfg); err != nil {
 		return "", err
 	}
 	lay := cfg.Layout
-	if cfg.Receive == ReceiveAll {
+	if cfg.Receive == wire.ReceiveAll {
 		return fmt.Sprintf("direct mode: no stream captures %s, and the server does not map it: every replica receives every device subject and keeps its partitions (probed)",
 			lay.StreamSubject()), nil
 	}
@@ -122,11 +70,11 @@ func ensureDirect(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 // CheckDirect checks that the server delivers what devices publish as direct mode with
 // cfg.Receive needs. It fails wrapping [ErrMismatch] when a stream captures the device subjects
 // (the device would get that stream's acknowledgement, and the message would be stored twice),
-// wrapping [ErrNoMapping] with the configuration to add when cfg.Receive is [ReceiveMapping]
+// wrapping [ErrNoMapping] with the configuration to add when cfg.Receive is [wire.ReceiveMapping]
 // and the server does not stamp the partitions, and wrapping [ErrMismatch] when cfg.Receive is
-// [ReceiveAll] and it does. It lists the streams (one request per shape of device subject),
+// [wire.ReceiveAll] and it does. It lists the streams (one request per shape of device subject),
 // then publishes one probe per partition, on a device of that partition, with no reply subject
-// and the [ProbeHeader], and sees where each one arrives on core subscriptions of its own:
+// and the [wire.HeaderProbe], and sees where each one arrives on core subscriptions of its own:
 // nothing is stored, and the replicas drop the probes. It blocks for one round trip and at most
 // five seconds.
 func CheckDirect(ctx context.Context, js jetstream.JetStream, cfg Config) error {
@@ -159,12 +107,12 @@ func CheckDirect(ctx context.Context, js jetstream.JetStream, cfg Config) error 
 		return fmt.Errorf("setup: %d of %d probes published to %s (e.g. %s) did not come back: direct mode needs to publish to and subscribe to the device subjects and their mapped form %s",
 			len(lost), len(got), lay.StreamSubject(), lost[0], storedWildcard(lay))
 	}
-	if cfg.Receive == ReceiveAll {
+	if cfg.Receive == wire.ReceiveAll {
 		if len(plain) == len(got) {
 			return nil
 		}
 		return fmt.Errorf("%w: the server maps what devices publish to %s into partitions (%d of %d probes arrived mapped), so a replica subscribed to %s receives nothing: run with --direct-receive %s, or remove the account mapping",
-			ErrMismatch, lay.StreamSubject(), len(got)-len(plain), len(got), lay.StreamSubject(), ReceiveMapping)
+			ErrMismatch, lay.StreamSubject(), len(got)-len(plain), len(got), lay.StreamSubject(), wire.ReceiveMapping)
 	}
 	if len(mapped) == len(got) {
 		return nil
@@ -182,7 +130,7 @@ func CheckDirect(ctx context.Context, js jetstream.JetStream, cfg Config) error 
 			len(plain), len(got), plain[0], lay.MappingSource())
 	}
 	return fmt.Errorf("%w: %s.\n\n%s\nOr run with --direct-receive %s: every replica then receives every device subject and keeps its partitions, with no mapping",
-		ErrNoMapping, why, MappingConfig(lay), ReceiveAll)
+		ErrNoMapping, why, MappingConfig(lay), wire.ReceiveAll)
 }
 
 // checkNoCapture refuses any stream whose subjects overlap what devices publish, mapped or not.
@@ -251,7 +199,7 @@ func probeDirect(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) ([]pr
 	}
 	for _, r := range out {
 		m := nats.NewMsg(r.sent)
-		m.Header.Set(ProbeHeader, nonce)
+		m.Header.Set(wire.HeaderProbe, nonce)
 		if err := nc.PublishMsg(m); err != nil {
 			return nil, fmt.Errorf("setup: publishing a probe to %s: %w", r.sent, err)
 		}
@@ -266,7 +214,7 @@ func probeDirect(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) ([]pr
 	for left := len(out); left > 0; {
 		select {
 		case m := <-arrivals:
-			if m.Header.Get(ProbeHeader) != nonce {
+			if m.Header.Get(wire.HeaderProbe) != nonce {
 				continue
 			}
 			p, part := probeOrigin(m.Subject, prefixDot, bySubject)

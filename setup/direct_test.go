@@ -11,22 +11,23 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
-func directConfig(t *testing.T, partitions int, r setup.Receive) setup.Config {
-	return setup.Config{Layout: layout(t, partitions), Mode: setup.ModeDirect, Receive: r}
+func directConfig(t *testing.T, partitions int, r wire.Receive) setup.Config {
+	return setup.Config{Layout: layout(t, partitions), Mode: wire.ModeDirect, Receive: r}
 }
 
 // Direct mode creates no INCOMING, and says what the server does with the device subjects.
 func TestDirectModeCreatesNoIncoming(t *testing.T) {
 	ctx := context.Background()
 	for _, c := range []struct {
-		receive setup.Receive
+		receive wire.Receive
 		mapped  bool
 		want    string
 	}{
-		{setup.ReceiveMapping, true, "direct mode: no stream captures incoming.*.*; the account mapping incoming.*.* → incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}} delivers every partition (probed)"},
-		{setup.ReceiveAll, false, "direct mode: no stream captures incoming.*.*, and the server does not map it: every replica receives every device subject and keeps its partitions (probed)"},
+		{wire.ReceiveMapping, true, "direct mode: no stream captures incoming.*.*; the account mapping incoming.*.* → incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}} delivers every partition (probed)"},
+		{wire.ReceiveAll, false, "direct mode: no stream captures incoming.*.*, and the server does not map it: every replica receives every device subject and keeps its partitions (probed)"},
 	} {
 		t.Run(string(c.receive), func(t *testing.T) {
 			cfg := directConfig(t, 16, c.receive)
@@ -57,7 +58,7 @@ func TestDirectModeCreatesNoIncoming(t *testing.T) {
 // Without the mapping, direct mode with the default receive mode refuses and prints the mapping
 // block to add, or the way around it.
 func TestDirectModeNeedsTheMapping(t *testing.T) {
-	cfg := directConfig(t, 16, setup.ReceiveMapping)
+	cfg := directConfig(t, 16, wire.ReceiveMapping)
 	_, js := natstest.Start(t).JetStream(t)
 	_, err := setup.Ensure(context.Background(), js, cfg)
 	if !errors.Is(err, setup.ErrNoMapping) {
@@ -79,7 +80,7 @@ func TestDirectModeNeedsTheMapping(t *testing.T) {
 func TestDirectModeRefusesAnotherPartitionCount(t *testing.T) {
 	srv := mapped(t, layout(t, 8))
 	_, js := srv.JetStream(t)
-	_, err := setup.Ensure(context.Background(), js, directConfig(t, 16, setup.ReceiveMapping))
+	_, err := setup.Ensure(context.Background(), js, directConfig(t, 16, wire.ReceiveMapping))
 	if !errors.Is(err, setup.ErrNoMapping) || !strings.Contains(err.Error(), "wrong partition") {
 		t.Fatalf("Ensure with a mapping of 8 partitions = %v, want ErrNoMapping naming the wrong partition", err)
 	}
@@ -88,7 +89,7 @@ func TestDirectModeRefusesAnotherPartitionCount(t *testing.T) {
 // Receiving every device subject needs the server not to map them: mapped, no replica
 // subscribed to incoming.*.* would receive anything.
 func TestDirectReceiveAllRefusesTheMapping(t *testing.T) {
-	cfg := directConfig(t, 16, setup.ReceiveAll)
+	cfg := directConfig(t, 16, wire.ReceiveAll)
 	_, js := mapped(t, cfg.Layout).JetStream(t)
 	_, err := setup.Ensure(context.Background(), js, cfg)
 	if !errors.Is(err, setup.ErrMismatch) || !strings.Contains(err.Error(), "--direct-receive mapping") {
@@ -102,7 +103,7 @@ func TestDirectModeRefusesAStreamCapturingTheDevices(t *testing.T) {
 	ctx := context.Background()
 	for name, subject := range map[string]string{"INCOMING": "incoming.*.*", "TAP": "incoming.>", "MAPPED": "incoming.3.*.*"} {
 		t.Run(name, func(t *testing.T) {
-			cfg := directConfig(t, 16, setup.ReceiveMapping)
+			cfg := directConfig(t, 16, wire.ReceiveMapping)
 			_, js := mapped(t, cfg.Layout).JetStream(t)
 			if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject}}); err != nil {
 				t.Fatal(err)
@@ -120,18 +121,13 @@ func TestDirectModeRefusesAStreamCapturingTheDevices(t *testing.T) {
 	}
 }
 
-func TestParseModeAndReceive(t *testing.T) {
-	if m, err := setup.ParseMode(""); m != setup.ModeStream || err != nil {
-		t.Errorf(`ParseMode("") = %q, %v; want stream`, m, err)
-	}
-	if _, err := setup.ParseMode("fast"); !errors.Is(err, setup.ErrInvalidConfig) {
-		t.Errorf(`ParseMode("fast") = %v, want ErrInvalidConfig`, err)
-	}
-	if r, err := setup.ParseReceive(""); r != setup.ReceiveMapping || err != nil {
-		t.Errorf(`ParseReceive("") = %q, %v; want mapping`, r, err)
-	}
-	if _, err := setup.Ensure(context.Background(), nil, setup.Config{Layout: layout(t, 16), Mode: "fast"}); !errors.Is(err, setup.ErrInvalidConfig) {
-		t.Errorf("Ensure with mode fast = %v, want ErrInvalidConfig", err)
+// An unknown mode or receive kind is a configuration setup refuses (wire.ParseMode and
+// wire.ParseReceive read the names themselves).
+func TestEnsureRefusesAnUnknownModeOrReceive(t *testing.T) {
+	for _, cfg := range []setup.Config{{Layout: layout(t, 16), Mode: "fast"}, {Layout: layout(t, 16), Mode: wire.ModeDirect, Receive: "any"}} {
+		if _, err := setup.Ensure(context.Background(), nil, cfg); !errors.Is(err, setup.ErrInvalidConfig) || !errors.Is(err, wire.ErrInvalid) {
+			t.Errorf("Ensure with mode %q, receive %q = %v, want ErrInvalidConfig and wire.ErrInvalid", cfg.Mode, cfg.Receive, err)
+		}
 	}
 }
 
@@ -170,13 +166,13 @@ func TestDirectModeMarksTheControlBucket(t *testing.T) {
 		return lines[len(lines)-1]
 	}
 
-	if got := ensure(directConfig(t, 16, setup.ReceiveAll)); got != "created bucket kvmapper (leases, members, checkpoints); marked as direct mode (key mode)" {
+	if got := ensure(directConfig(t, 16, wire.ReceiveAll)); got != "created bucket kvmapper (leases, members, checkpoints); marked as direct mode (key mode)" {
 		t.Errorf("Ensure(direct) on an empty server reported %q for the control bucket, want it created and marked", got)
 	}
 	if got := mode(); got != "direct" {
 		t.Errorf("control bucket key mode = %q after Ensure(direct), want direct", got)
 	}
-	if got := ensure(directConfig(t, 16, setup.ReceiveAll)); got != "bucket kvmapper ok" {
+	if got := ensure(directConfig(t, 16, wire.ReceiveAll)); got != "bucket kvmapper ok" {
 		t.Errorf("Ensure(direct) again reported %q, want the bucket ok and nothing written", got)
 	}
 	if got := ensure(setup.Config{Layout: layout(t, 16)}); got != "bucket kvmapper ok; its direct mode mark removed (key mode): stream mode" {

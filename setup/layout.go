@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 var (
@@ -44,11 +45,11 @@ type LayoutChoice struct {
 // A layout asked for (not [subjects.AutoLayout]) is returned as it is unless the control
 // bucket records another one whose INCOMING streams still exist: that is an error wrapping
 // [ErrLayoutConflict]. When the recorded layout's streams are gone (the deployment is moving,
-// README "Moving a deployment from single to streams") the layout asked for wins and Ensure
-// records it in place of the old one.
+// docs/modes-and-layouts.md "Moving a deployment from single to streams") the layout asked for
+// wins and Ensure records it in place of the old one.
 //
 // [subjects.AutoLayout] becomes, in this order: the layout the control bucket records
-// ([subjects.LayoutKey]); the layout whose INCOMING streams exist (a deployment made before
+// ([wire.LayoutKey]); the layout whose INCOMING streams exist (a deployment made before
 // layouts were recorded); for a new deployment, [subjects.PartitionStreams] when
 // cfg.CallerSetsMapping is set or when the server's account mapping partitions what devices
 // publish, else [subjects.SingleStream] with [LayoutChoice].Faster set.
@@ -69,7 +70,7 @@ func RecordedLayout(ctx context.Context, js jetstream.JetStream, cfg Config) (La
 func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, create bool) (LayoutChoice, error) {
 	cfg.Defaults()
 	asked := cfg.StreamLayout
-	if cfg.Mode == ModeDirect {
+	if cfg.Mode == wire.ModeDirect {
 		if asked == subjects.AutoLayout {
 			asked = subjects.SingleStream
 		}
@@ -115,11 +116,11 @@ func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, creat
 	if !create && markedDirect(ctx, js, cfg.Control) {
 		// A direct-mode deployment read without --mode direct: status and verify read the
 		// mark themselves and say what they can do; there is no INCOMING to choose a layout for.
-		return LayoutChoice{Layout: subjects.SingleStream, Why: fmt.Sprintf("bucket %s marks direct mode (key %s), which keeps no INCOMING", cfg.Control, subjects.ModeKey)}, nil
+		return LayoutChoice{Layout: subjects.SingleStream, Why: fmt.Sprintf("bucket %s marks direct mode (key %s), which keeps no INCOMING", cfg.Control, wire.ModeKey)}, nil
 	}
 	if !create {
 		return LayoutChoice{}, fmt.Errorf("%w: bucket %s records no layout (key %s) and neither %s nor %s exists: run `kvmapper setup` first, or check --server and the stream and bucket names",
-			ErrNoLayout, cfg.Control, subjects.LayoutKey, cfg.Incoming, cfg.PartitionStream(0))
+			ErrNoLayout, cfg.Control, wire.LayoutKey, cfg.Incoming, cfg.PartitionStream(0))
 	}
 	if cfg.CallerSetsMapping {
 		return LayoutChoice{Layout: subjects.PartitionStreams, Why: "a new deployment on a server given the account mapping by kvmapper itself"}, nil
@@ -135,15 +136,15 @@ func chooseLayout(ctx context.Context, js jetstream.JetStream, cfg Config, creat
 	return LayoutChoice{
 		Layout: subjects.SingleStream,
 		Why:    fmt.Sprintf("a new deployment on a server without the account mapping of %s into partitions", lay.MappingSource()),
-		Faster: fmt.Sprintf("--layout streams would map 1.4–1.8× as fast (README: Stream layouts): give every server the account mapping %q → %q, then move the deployment to it (README: Moving a deployment from single to streams)",
+		Faster: fmt.Sprintf("--layout streams would map 1.4–1.8× as fast (docs/modes-and-layouts.md: Stream layouts): give every server the account mapping %q → %q, then move the deployment to it (docs/modes-and-layouts.md: Moving a deployment from single to streams)",
 			lay.MappingSource(), lay.MappingDest()),
 	}, nil
 }
 
 // conflict is the error for a layout asked for that the control bucket contradicts.
 func conflict(cfg Config, asked, recorded subjects.StreamLayout) error {
-	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see the README (Moving a deployment from single to streams)",
-		ErrLayoutConflict, asked, cfg.Control, recorded, subjects.LayoutKey, recorded, asked)
+	return fmt.Errorf("%w: --layout %s was asked for, but bucket %s records this deployment's layout as %s (key %s): run with --layout %s, or --layout auto (the default), which reads it; to move the deployment to %s, see docs/modes-and-layouts.md (Moving a deployment from single to streams)",
+		ErrLayoutConflict, asked, cfg.Control, recorded, wire.LayoutKey, recorded, asked)
 }
 
 // readLayout returns the layout the control bucket records, or "" when the bucket or the key
@@ -156,30 +157,30 @@ func readLayout(ctx context.Context, js jetstream.JetStream, bucket string) (sub
 	if err != nil {
 		return "", fmt.Errorf("setup: opening bucket %s: %w", bucket, err)
 	}
-	e, err := ctl.Get(ctx, subjects.LayoutKey)
+	e, err := ctl.Get(ctx, wire.LayoutKey)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return "", nil
 	}
 	if err != nil {
-		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.LayoutKey, bucket, err)
+		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.LayoutKey, bucket, err)
 	}
 	l, err := subjects.ParseStreamLayout(string(e.Value()))
 	if err != nil || len(e.Value()) == 0 {
 		return "", fmt.Errorf("%w: key %s of bucket %s holds %q, which names no stream layout: `nats kv put %s %s single` (or streams), whichever INCOMING streams exist",
-			ErrMismatch, subjects.LayoutKey, bucket, e.Value(), bucket, subjects.LayoutKey)
+			ErrMismatch, wire.LayoutKey, bucket, e.Value(), bucket, wire.LayoutKey)
 	}
 	return l, nil
 }
 
 // markedDirect reports whether the control bucket marks the deployment as running in direct
-// mode ([subjects.ModeKey]); a bucket or key that cannot be read marks nothing.
+// mode ([wire.ModeKey]); a bucket or key that cannot be read marks nothing.
 func markedDirect(ctx context.Context, js jetstream.JetStream, bucket string) bool {
 	ctl, err := js.KeyValue(ctx, bucket)
 	if err != nil {
 		return false
 	}
-	e, err := ctl.Get(ctx, subjects.ModeKey)
-	return err == nil && string(e.Value()) == subjects.DirectMode
+	e, err := ctl.Get(ctx, wire.ModeKey)
+	return err == nil && wire.MarksDirect(e.Value())
 }
 
 // existingLayout returns the layout whose INCOMING streams exist, with the name of the one
@@ -216,7 +217,7 @@ func layoutGone(ctx context.Context, js jetstream.JetStream, cfg Config, l subje
 	return false, nil
 }
 
-// recordLayout writes cfg's layout under [subjects.LayoutKey] in the control bucket, unless it
+// recordLayout writes cfg's layout under [wire.LayoutKey] in the control bucket, unless it
 // is there already, and returns the report line. Another layout recorded there is replaced only
 // when its INCOMING streams are gone ([ChooseLayout] allowed the move); two setups racing to
 // record different layouts leave the first and fail the second.
@@ -227,10 +228,10 @@ func recordLayout(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	}
 	want := cfg.StreamLayout
 	readers := "every command with --layout auto (the default) reads it"
-	e, err := ctl.Get(ctx, subjects.LayoutKey)
+	e, err := ctl.Get(ctx, wire.LayoutKey)
 	switch {
 	case err == nil && string(e.Value()) == string(want):
-		return fmt.Sprintf("layout %s, as recorded in bucket %s (key %s): %s", want, cfg.Control, subjects.LayoutKey, readers), nil
+		return fmt.Sprintf("layout %s, as recorded in bucket %s (key %s): %s", want, cfg.Control, wire.LayoutKey, readers), nil
 	case err == nil:
 		gone, gerr := layoutGone(ctx, js, cfg, subjects.StreamLayout(e.Value()))
 		if gerr != nil {
@@ -239,28 +240,28 @@ func recordLayout(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		if !gone {
 			return "", conflict(cfg, want, subjects.StreamLayout(e.Value()))
 		}
-		if _, err := ctl.Update(ctx, subjects.LayoutKey, []byte(want), e.Revision()); err != nil {
-			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.LayoutKey, cfg.Control, err)
+		if _, err := ctl.Update(ctx, wire.LayoutKey, []byte(want), e.Revision()); err != nil {
+			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", wire.LayoutKey, cfg.Control, err)
 		}
-		return fmt.Sprintf("recorded layout %s in bucket %s (key %s) in place of %s: %s", want, cfg.Control, subjects.LayoutKey, e.Value(), readers), nil
+		return fmt.Sprintf("recorded layout %s in bucket %s (key %s) in place of %s: %s", want, cfg.Control, wire.LayoutKey, e.Value(), readers), nil
 	case !errors.Is(err, jetstream.ErrKeyNotFound):
-		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.LayoutKey, cfg.Control, err)
+		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.LayoutKey, cfg.Control, err)
 	}
-	if _, err := ctl.Create(ctx, subjects.LayoutKey, []byte(want)); err != nil {
+	if _, err := ctl.Create(ctx, wire.LayoutKey, []byte(want)); err != nil {
 		// Another setup may have recorded it meanwhile: what matters is what is there now.
 		got, rerr := readLayout(ctx, js, cfg.Control)
 		if rerr != nil || got == "" {
-			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.LayoutKey, cfg.Control, err)
+			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", wire.LayoutKey, cfg.Control, err)
 		}
 		if got != want {
 			return "", conflict(cfg, want, got)
 		}
 	}
-	return fmt.Sprintf("recorded layout %s in bucket %s (key %s): %s", want, cfg.Control, subjects.LayoutKey, readers), nil
+	return fmt.Sprintf("recorded layout %s in bucket %s (key %s): %s", want, cfg.Control, wire.LayoutKey, readers), nil
 }
 
 // mappingProbeDevice is the device of the probe [mappingActive] publishes.
-const mappingProbeDevice = "kvmapper-probe-0"
+const mappingProbeDevice = wire.ProbeDevicePrefix + "0"
 
 // mappingActive reports whether the server's account mapping partitions what devices publish:
 // it subscribes to a probe subject as devices publish it and as the mapping would deliver it
@@ -301,7 +302,7 @@ func mappingActive(ctx context.Context, nc *nats.Conn, lay *subjects.Layout) (bo
 		// another partition count: a mapping, which Ensure then checks partition by partition.
 		return msg.Subject != subject, nil
 	case <-t.C:
-		return false, fmt.Errorf("setup: choosing the stream layout: a probe published to %s came back neither as it was nor as %s within %v: the user may lack permission to subscribe to them (README: Least privilege), or the account maps %s elsewhere; choose with --layout single or --layout streams",
+		return false, fmt.Errorf("setup: choosing the stream layout: a probe published to %s came back neither as it was nor as %s within %v: the user may lack permission to subscribe to them (docs/security.md: Least privilege), or the account maps %s elsewhere; choose with --layout single or --layout streams",
 			subject, mapped, probeTimeout, lay.MappingSource())
 	case <-ctx.Done():
 		return false, fmt.Errorf("setup: probing the account mapping on %s: %w", subject, ctx.Err())

@@ -11,6 +11,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // autoConfig is --layout auto with the default names and 16 partitions.
@@ -26,8 +27,8 @@ func forgetLayout(t *testing.T, js jetstream.JetStream) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ctl.Purge(context.Background(), subjects.LayoutKey); err != nil {
-		t.Fatalf("Purge(%s): %v", subjects.LayoutKey, err)
+	if err := ctl.Purge(context.Background(), wire.LayoutKey); err != nil {
+		t.Fatalf("Purge(%s): %v", wire.LayoutKey, err)
 	}
 }
 
@@ -38,9 +39,9 @@ func recorded(t *testing.T, js jetstream.JetStream) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := ctl.Get(context.Background(), subjects.LayoutKey)
+	e, err := ctl.Get(context.Background(), wire.LayoutKey)
 	if err != nil {
-		t.Fatalf("Get(%s): %v", subjects.LayoutKey, err)
+		t.Fatalf("Get(%s): %v", wire.LayoutKey, err)
 	}
 	return string(e.Value())
 }
@@ -67,7 +68,7 @@ func TestAutoLayoutOfANewDeployment(t *testing.T) {
 	}{
 		"mapping active": {mapping: true, want: subjects.PartitionStreams, has: "INCOMING-0", hasNot: "INCOMING", why: "account mapping partitions incoming.*.*"},
 		"no mapping": {want: subjects.SingleStream, has: "INCOMING", hasNot: "INCOMING-0", why: "without the account mapping",
-			faster: `1.4–1.8× as fast (README: Stream layouts): give every server the account mapping "incoming.*.*" → "incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"`},
+			faster: `1.4–1.8× as fast (docs/modes-and-layouts.md: Stream layouts): give every server the account mapping "incoming.*.*" → "incoming.{{partition(16,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := autoConfig(t)
@@ -232,7 +233,7 @@ func TestRecordedLayoutNeedsADeployment(t *testing.T) {
 	}
 	// Direct mode keeps no INCOMING: nothing to resolve, on any server.
 	direct := autoConfig(t)
-	direct.Mode = setup.ModeDirect
+	direct.Mode = wire.ModeDirect
 	if c, err := setup.RecordedLayout(ctx, js, direct); err != nil || c.Layout != subjects.SingleStream {
 		t.Errorf("RecordedLayout in direct mode = %+v, %v; want single, no error", c, err)
 	}
@@ -244,7 +245,7 @@ func TestRecordedLayoutNeedsADeployment(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ctl.PutString(ctx, subjects.LayoutKey, "sharded"); err != nil {
+	if _, err := ctl.PutString(ctx, wire.LayoutKey, "sharded"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := setup.RecordedLayout(ctx, js, autoConfig(t)); !errors.Is(err, setup.ErrMismatch) || !strings.Contains(err.Error(), `holds "sharded"`) {
@@ -257,7 +258,7 @@ func TestRecordedLayoutNeedsADeployment(t *testing.T) {
 func TestRecordedLayoutOfADirectModeDeployment(t *testing.T) {
 	ctx := context.Background()
 	_, js := natstest.Start(t).JetStream(t)
-	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Mode: setup.ModeDirect, Receive: setup.ReceiveAll}); err != nil {
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Mode: wire.ModeDirect, Receive: wire.ReceiveAll}); err != nil {
 		t.Fatal(err)
 	}
 	c, err := setup.RecordedLayout(ctx, js, autoConfig(t))

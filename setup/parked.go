@@ -9,7 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // ParkConfig describes the PARKED stream, which holds the messages of devices parked until they
@@ -103,7 +103,7 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	return fmt.Sprintf("stream %s ok: %s, %s", name, subject, limits(got)), nil
 }
 
-// markParking writes the control bucket's [subjects.ParkedKey] with PARKED's name, unless it
+// markParking writes the control bucket's [wire.ParkedKey] with PARKED's name, unless it
 // holds it already: replicas without --on-unmapped park, status and verify then know to drain or
 // count what PARKED holds, and deployments that never parked never touch PARKED.
 func markParking(ctx context.Context, js jetstream.JetStream, cfg Config) error {
@@ -111,13 +111,13 @@ func markParking(ctx context.Context, js jetstream.JetStream, cfg Config) error 
 	if err != nil {
 		return fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
 	}
-	if e, err := ctl.Get(ctx, subjects.ParkedKey); err == nil && string(e.Value()) == cfg.Parked {
+	if e, err := ctl.Get(ctx, wire.ParkedKey); err == nil && string(e.Value()) == cfg.Parked {
 		return nil
 	} else if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
-		return fmt.Errorf("setup: reading %s in bucket %s: %w", subjects.ParkedKey, cfg.Control, err)
+		return fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ParkedKey, cfg.Control, err)
 	}
-	if _, err := ctl.PutString(ctx, subjects.ParkedKey, cfg.Parked); err != nil {
-		return fmt.Errorf("setup: writing %s in bucket %s: %w", subjects.ParkedKey, cfg.Control, err)
+	if _, err := ctl.PutString(ctx, wire.ParkedKey, cfg.Parked); err != nil {
+		return fmt.Errorf("setup: writing %s in bucket %s: %w", wire.ParkedKey, cfg.Control, err)
 	}
 	return nil
 }

@@ -11,7 +11,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
-	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestEnsureParked(t *testing.T) {
@@ -42,8 +42,8 @@ func TestEnsureParked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if e, err := ctl.Get(ctx, subjects.ParkedKey); err != nil || string(e.Value()) != "PARKED" {
-		t.Errorf("control bucket key %s: %v, %v; want PARKED", subjects.ParkedKey, e, err)
+	if e, err := ctl.Get(ctx, wire.ParkedKey); err != nil || string(e.Value()) != "PARKED" {
+		t.Errorf("control bucket key %s: %v, %v; want PARKED", wire.ParkedKey, e, err)
 	}
 
 	// Without CheckLimits other limits are kept; with it they are a mismatch naming the fix.

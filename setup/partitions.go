@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // ErrNoMapping is wrapped by [Ensure]'s error in the [subjects.PartitionStreams] layout when the
@@ -167,7 +168,7 @@ func probeDevices(partitions int) []string {
 	out := make([]string, partitions)
 	left := partitions
 	for i := 0; left > 0; i++ {
-		d := "kvmapper-probe-" + strconv.Itoa(i)
+		d := wire.ProbeDevicePrefix + strconv.Itoa(i)
 		if p := subjects.Partition(d, partitions); out[p] == "" {
 			out[p] = d
 			left--

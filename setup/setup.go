@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 var (
@@ -40,12 +41,12 @@ type Config struct {
 	CallerSetsMapping bool
 	// Replicas is the replica count of streams and buckets created. Default 1.
 	Replicas int
-	// Mode is what devices publish into: INCOMING ([ModeStream], the default), or nothing
-	// ([ModeDirect]), when Ensure creates no INCOMING and checks the server with [CheckDirect].
-	Mode Mode
+	// Mode is what devices publish into: INCOMING ([wire.ModeStream], the default), or nothing
+	// ([wire.ModeDirect]), when Ensure creates no INCOMING and checks the server with [CheckDirect].
+	Mode wire.Mode
 	// Receive says, in direct mode, whether the server must stamp the partitions with its account
-	// mapping ([ReceiveMapping], the default) or must not ([ReceiveAll]).
-	Receive Receive
+	// mapping ([wire.ReceiveMapping], the default) or must not ([wire.ReceiveAll]).
+	Receive wire.Receive
 	// DuplicateWindow of OUTGOING and UNMAPPED when created. Default and minimum 2m.
 	DuplicateWindow time.Duration
 	// LimitMarkerTTL of the control bucket when created: how long expiry markers stay. Default 1m.
@@ -86,10 +87,10 @@ func (c *Config) Defaults() {
 		c.LimitMarkerTTL = time.Minute
 	}
 	if c.Mode == "" {
-		c.Mode = ModeStream
+		c.Mode = wire.ModeStream
 	}
 	if c.Receive == "" {
-		c.Receive = ReceiveMapping
+		c.Receive = wire.ReceiveMapping
 	}
 }
 
@@ -101,17 +102,17 @@ func (c *Config) Defaults() {
 // In stream mode it resolves or checks the stream layout with [ChooseLayout] first (a layout
 // that contradicts the one the control bucket records is an error wrapping
 // [ErrLayoutConflict]) and, once everything exists, records it in the control bucket under
-// [subjects.LayoutKey], with one more report line.
+// [wire.LayoutKey], with one more report line.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
 	cfg.Defaults()
 	if cfg.Layout == nil {
 		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
 	}
-	if _, err := ParseMode(string(cfg.Mode)); err != nil {
-		return nil, err
+	if _, err := wire.ParseMode(string(cfg.Mode)); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	if _, err := ParseReceive(string(cfg.Receive)); err != nil {
-		return nil, err
+	if _, err := wire.ParseReceive(string(cfg.Receive)); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	if cfg.DuplicateWindow < MinDuplicateWindow {
 		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
@@ -119,7 +120,7 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	if cfg.GroupsHistory < 0 || cfg.GroupsHistory > MaxGroupsHistory {
 		return nil, fmt.Errorf("%w: groups history %d: a bucket keeps 1 to %d values per key", ErrInvalidConfig, cfg.GroupsHistory, MaxGroupsHistory)
 	}
-	if cfg.Mode == ModeStream {
+	if cfg.Mode == wire.ModeStream {
 		choice, err := ChooseLayout(ctx, js, cfg)
 		if err != nil {
 			return nil, err
@@ -130,7 +131,7 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	var report []string
 	steps := []func() (string, error){
 		func() (string, error) {
-			if cfg.Mode == ModeDirect {
+			if cfg.Mode == wire.ModeDirect {
 				return ensureDirect(ctx, js, cfg)
 			}
 			return ensureIncoming(ctx, js, cfg)
@@ -144,13 +145,13 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 		func() (string, error) { return ensureGroups(ctx, js, cfg) },
 		func() (string, error) { return ensureControl(ctx, js, cfg) },
 	}
-	if cfg.Mode == ModeStream {
+	if cfg.Mode == wire.ModeStream {
 		steps = append(steps, func() (string, error) { return recordLayout(ctx, js, cfg) })
 	}
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
 	}
-	if cfg.BalanceLeaders && cfg.Mode == ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
+	if cfg.BalanceLeaders && cfg.Mode == wire.ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
 		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
 	}
 	for _, step := range steps {
@@ -375,7 +376,7 @@ func placementError(what string, replicas int, err error) error {
 	}
 	switch apiErr.ErrorCode {
 	case errCodeReplicasNotSupported:
-		return fmt.Errorf("%w: creating %s with %d replicas: the server is not in a JetStream cluster (%s): run setup with --stream-replicas 1, or start a cluster of at least %d servers (README: Production on a cluster)",
+		return fmt.Errorf("%w: creating %s with %d replicas: the server is not in a JetStream cluster (%s): run setup with --stream-replicas 1, or start a cluster of at least %d servers (docs/cluster.md: Production on a cluster)",
 			ErrInvalidConfig, what, replicas, apiErr.Description, replicas)
 	case errCodeNoPeers, errCodeInsufficientResources:
 		return fmt.Errorf("%w: creating %s with %d replicas: the cluster cannot place them (%s): it needs %d servers with JetStream, up and with room (`nats server report jetstream` lists them), or a lower --stream-replicas",

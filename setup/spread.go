@@ -17,7 +17,7 @@ import (
 //
 // JetStream elects each replicated stream's Raft leader on its own and balances nothing across
 // streams: measured on an in-process 3-node cluster, the 16 partition streams setup creates at
-// R3 got anything from 6/9/1 to 4/6/6 leaders per server in 12 runs, never 5 or 6 each (README,
+// R3 got anything from 6/9/1 to 4/6/6 leaders per server in 12 runs, never 5 or 6 each (docs/cluster.md,
 // Where the partition streams' leaders go). A stream's leader stores its messages and serves its
 // consumers, so the server that leads most partitions does most of the ingest and reading while
 // the others idle. With BalanceLeaders, [Ensure] moves leaderships from the servers that lead the
@@ -30,7 +30,7 @@ import (
 //   - a partition stream's step-down reorders nothing (integration
 //     TestClusterRidesThroughNodeLossPartitionStreams steps one down, and has setup spread them,
 //     under load), while a step-down of OUTGOING or UNMAPPED can reverse the order of a device's
-//     messages in flight from a lane (README, Limits on a cluster), and one of the control bucket
+//     messages in flight from a lane (docs/cluster.md, Limits on a cluster), and one of the control bucket
 //     pauses every lease renewal and checkpoint for the handover. Setup may run beside live
 //     replicas, so it touches only what is safe to touch under load.
 
@@ -285,7 +285,7 @@ func stepDown(ctx context.Context, js jetstream.JetStream, stream, to string) er
 	resp, err := js.Conn().RequestWithContext(rctx, subject, body)
 	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 		// A leader always answers, even to refuse: silence is most often a permission.
-		return fmt.Errorf("no answer within %v: may this user publish to %s? (README, Least privilege)", spreadRequestTimeout, subject)
+		return fmt.Errorf("no answer within %v: may this user publish to %s? (docs/security.md, Least privilege)", spreadRequestTimeout, subject)
 	}
 	if err != nil {
 		return err

@@ -14,6 +14,7 @@ import (
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/status"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // TestReadDirectMode reads a deployment that setup made in direct mode (no INCOMING; the control
@@ -25,7 +26,7 @@ func TestReadDirectMode(t *testing.T) {
 	nc, js := srv.JetStream(t)
 	names := subjects.Names{}.WithDefaults()
 	// Receive all: the server needs no account mapping.
-	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t), Mode: setup.ModeDirect, Receive: setup.ReceiveAll}); err != nil {
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t), Mode: wire.ModeDirect, Receive: wire.ReceiveAll}); err != nil {
 		t.Fatalf("setup.Ensure(direct): %v", err)
 	}
 	ctl, err := js.KeyValue(ctx, names.Control)
@@ -38,12 +39,12 @@ func TestReadDirectMode(t *testing.T) {
 		if p >= 8 {
 			owner = "r1"
 		}
-		if _, err := ctl.Create(ctx, subjects.LeaseKey(p), []byte(owner), jetstream.KeyTTL(time.Hour)); err != nil {
+		if _, err := ctl.Create(ctx, wire.LeaseKey(p), []byte(owner), jetstream.KeyTTL(time.Hour)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for _, id := range []string{"r0", "r1"} {
-		if _, err := ctl.PutString(ctx, subjects.MemberKey(id), id); err != nil {
+		if _, err := ctl.PutString(ctx, wire.MemberKey(id), id); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -144,14 +145,14 @@ func TestReadDirectModeByConfig(t *testing.T) {
 	ctx := context.Background()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
-	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t), Mode: setup.ModeDirect, Receive: setup.ReceiveAll}); err != nil {
+	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t), Mode: wire.ModeDirect, Receive: wire.ReceiveAll}); err != nil {
 		t.Fatalf("setup.Ensure(direct): %v", err)
 	}
 	ctl, err := js.KeyValue(ctx, "kvmapper")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ctl.Purge(ctx, subjects.ModeKey); err != nil {
+	if err := ctl.Purge(ctx, wire.ModeKey); err != nil {
 		t.Fatal(err)
 	}
 	_, err = status.Read(ctx, js, status.ReadConfig{Layout: layout(t), NoStreamLag: true})

@@ -14,8 +14,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // ReadConfig says where [Read] looks. Zero fields mean the defaults given.
@@ -32,7 +32,7 @@ type ReadConfig struct {
 	// the count needs a short-lived consumer per such partition (see [Read]).
 	NoStreamLag bool
 	// Direct reads the deployment as one in direct mode even if the control bucket does not
-	// say so ([subjects.ModeKey]): see [Read].
+	// say so ([wire.ModeKey]): see [Read].
 	Direct bool
 }
 
@@ -61,7 +61,7 @@ func (c *ReadConfig) setDefaults() error {
 // counts from its per-subject index, so this stays cheap with many devices).
 // A member that does not answer is listed with Error set; Read fails only when NATS does.
 //
-// In direct mode (the control bucket holds [subjects.ModeKey], or Direct is set) there is no
+// In direct mode (the control bucket holds [wire.ModeKey], or Direct is set) there is no
 // INCOMING: Read reads OUTGOING's and UNMAPPED's state instead ([Snapshot].Outputs), takes each
 // partition's lag from its owner's report alone (what waits in its queue) and reads no
 // checkpoints, which direct mode does not write.
@@ -83,15 +83,15 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 		return nil, err
 	}
 	snap.At = time.Now()
-	snap.Mode = modeStream
+	snap.Mode = wire.ModeStream
 	if cfg.Direct || snap.markedDirect {
-		snap.Mode = modeDirect
+		snap.Mode = wire.ModeDirect
 		for i := range snap.Partitions {
 			p := &snap.Partitions[i]
 			p.Checkpoint, p.CheckpointIncarnation = 0, "" // an earlier deployment's, in stream mode
 		}
 	}
-	direct := snap.Mode == modeDirect
+	direct := snap.Mode == wire.ModeDirect
 	streamNames := StreamNames(cfg.Names, n)
 	if direct {
 		streamNames = streamNames[len(cfg.IncomingStreams(n)):]
@@ -188,13 +188,13 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 			break
 		}
 		switch e.Key() {
-		case subjects.ParkedKey:
+		case wire.ParkedKey:
 			snap.parking = true
-		case subjects.ModeKey:
-			snap.markedDirect = string(e.Value()) == subjects.DirectMode
+		case wire.ModeKey:
+			snap.markedDirect = wire.MarksDirect(e.Value())
 		}
-		kind, p, id, ok := subjects.ParseControlKey(e.Key())
-		if kind == subjects.KindMember {
+		kind, p, id, ok := wire.ParseControlKey(e.Key())
+		if kind == wire.KindMember {
 			members = append(members, id)
 			continue
 		}
@@ -202,11 +202,11 @@ func readControl(ctx context.Context, ctl jetstream.KeyValue, snap *Snapshot) ([
 			continue
 		}
 		switch kind {
-		case subjects.KindLease:
+		case wire.KindLease:
 			snap.Partitions[p].Owner = string(e.Value())
 			snap.Partitions[p].LeaseRevision = e.Revision()
-		case subjects.KindCheckpoint:
-			if cp, err := lanes.ParseCheckpoint(e.Value()); err == nil {
+		case wire.KindCheckpoint:
+			if cp, err := wire.ParseCheckpoint(e.Value()); err == nil {
 				snap.Partitions[p].Checkpoint, snap.Partitions[p].CheckpointIncarnation = cp.Seq, cp.Incarnation
 			}
 		}
@@ -295,7 +295,7 @@ func readStream(ctx context.Context, js jetstream.JetStream, name string) (jetst
 		return nil, Stream{}, fmt.Errorf("status: reading stream %s: %w", name, err)
 	}
 	st := Stream{Name: name, Messages: si.State.Msgs, FirstSeq: si.State.FirstSeq, LastSeq: si.State.LastSeq,
-		Created: si.Created, Incarnation: lanes.Incarnation(si.Created)}
+		Created: si.Created, Incarnation: wire.Incarnation(si.Created)}
 	if si.Cluster != nil {
 		st.Leader = si.Cluster.Leader
 	}
@@ -316,7 +316,7 @@ func readOutputs(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) ([
 }
 
 // readParked counts PARKED's messages per device, if the deployment parks (the control bucket
-// holds subjects.ParkedKey) and the stream exists.
+// holds wire.ParkedKey) and the stream exists.
 func readParked(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, snap *Snapshot) error {
 	if !snap.parking {
 		return nil

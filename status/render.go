@@ -7,6 +7,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // WriteText writes the snapshot as aligned tables: partitions, replicas, then the groups bucket
@@ -14,7 +16,7 @@ import (
 // mode a line saying why there is no INCOMING, the control bucket's leases and members, and
 // OUTGOING and UNMAPPED instead. Unknown values show as "-".
 func (s *Snapshot) WriteText(w io.Writer) error {
-	direct := s.Mode == modeDirect
+	direct := s.Mode == wire.ModeDirect
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCHECKPOINT\tLAG\tRATE/S\t")
 	for _, p := range s.Partitions {

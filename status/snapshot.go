@@ -1,13 +1,17 @@
 package status
 
-import "time"
+import (
+	"time"
+
+	"github.com/kvmapper/kvmapper/wire"
+)
 
 // Snapshot is the state of a kvmapper deployment at one moment, as [Read] assembles it.
 type Snapshot struct {
 	At time.Time `json:"at"`
 	// Mode is what devices publish into: "stream" (INCOMING) or "direct" (no stream: each
 	// partition's owner republishes what it receives to OUTGOING).
-	Mode string `json:"mode"`
+	Mode wire.Mode `json:"mode"`
 	// Control is the control bucket's name: leases, members, checkpoints.
 	Control    string      `json:"control"`
 	Partitions []Partition `json:"partitions"`
@@ -34,12 +38,6 @@ type Snapshot struct {
 	parking      bool // the control bucket says the deployment parks
 	markedDirect bool // the control bucket says the deployment runs in direct mode
 }
-
-// The values of [Snapshot].Mode.
-const (
-	modeStream = "stream"
-	modeDirect = "direct"
-)
 
 // Parked is what the PARKED stream holds: the messages of devices without a group, held until
 // they get one (kvmapper run --on-unmapped park), counted from the stream's per-subject index.
@@ -139,7 +137,7 @@ func (p *Partition) position() uint64 { return max(p.Acked, p.Checkpoint) }
 // went back (a new owner reporting less than the old one acknowledged) gets no rate.
 // In direct mode there is no acknowledged position to take a rate from: no partition gets one.
 func (s *Snapshot) SetRates(prev *Snapshot) {
-	if prev == nil || s.Mode == modeDirect {
+	if prev == nil || s.Mode == wire.ModeDirect {
 		return
 	}
 	dt := s.At.Sub(prev.At).Seconds()

@@ -63,7 +63,7 @@ const (
 	PartitionStreams StreamLayout = "streams"
 	// AutoLayout is no layout but a request for one: the command line's default, which
 	// package setup resolves (setup.ChooseLayout, setup.RecordedLayout) into the deployment's
-	// layout, recorded in the control bucket under [LayoutKey], before anything reads INCOMING.
+	// layout, recorded in the control bucket under wire.LayoutKey, before anything reads INCOMING.
 	// The packages that read INCOMING take only a resolved layout; [ParseStreamLayout] does not
 	// accept it.
 	AutoLayout StreamLayout = "auto"
@@ -112,55 +112,6 @@ func (n Names) IncomingStreams(partitions int) []string {
 // BucketStream is the name of the stream behind KV bucket b, as the server names it.
 func BucketStream(b string) string { return "KV_" + b }
 
-// The kinds of key in the control bucket: lease.<p>, member.<id> and checkpoint.<p>, and
-// unpark.<p>.<device> (see [UnparkKey]), which [ParseControlKey] leaves to the lanes.
-const (
-	KindLease      = "lease"
-	KindMember     = "member"
-	KindCheckpoint = "checkpoint"
-	KindUnpark     = "unpark"
-)
-
-// LeaseKey is the control-bucket key of partition p's lease; its value is the owner's id.
-func LeaseKey(p int) string { return KindLease + "." + strconv.Itoa(p) }
-
-// MemberKey is the control-bucket key a live replica heartbeats; its value is the replica's id.
-func MemberKey(id string) string { return KindMember + "." + id }
-
-// CheckpointKey is the control-bucket key of partition p's checkpoint: the last INCOMING
-// sequence of p whose republish was acknowledged, with the incarnation of INCOMING it belongs to.
-func CheckpointKey(p int) string { return KindCheckpoint + "." + strconv.Itoa(p) }
-
-// ParkedKey is the control-bucket key that says a deployment parks devices: setup writes it,
-// with the PARKED stream's name, when it creates or verifies that stream. Replicas and status look
-// at PARKED only when it exists, so that a deployment that never parked needs no permission on
-// PARKED.
-const ParkedKey = "parked"
-
-// LayoutKey is the control-bucket key that records a deployment's [StreamLayout]: setup writes
-// it ("single" or "streams") once it has created or verified INCOMING, and every command whose
-// layout is [AutoLayout] reads it, so that one deployment is never split across layouts.
-const LayoutKey = "layout"
-
-// ModeKey is the control-bucket key that says a deployment runs in direct mode, where devices
-// publish to no stream and the owner of each partition republishes what it receives to
-// OUTGOING: setup writes [DirectMode] in it when it runs in direct mode (as every replica of
-// that mode does when it starts), and deletes it when it runs in stream mode. No key means
-// stream mode. status and verify read it: in direct mode there is no INCOMING to read.
-const ModeKey = "mode"
-
-// DirectMode is the value of [ModeKey] in direct mode.
-const DirectMode = "direct"
-
-// UnparkKey is the control-bucket key that asks the owner of partition p to unpark device (its
-// value says how: release or drop); the owner deletes it once done.
-func UnparkKey(p int, device string) string {
-	return KindUnpark + "." + strconv.Itoa(p) + "." + device
-}
-
-// UnparkFilter is the key filter of partition p's unpark keys, "unpark.<p>.*".
-func UnparkFilter(p int) string { return KindUnpark + "." + strconv.Itoa(p) + ".*" }
-
 // ParkedSubject is the subject a parked message of device, in partition p, is stored under in
 // the PARKED stream: "<prefix>.<p>.<device>", one subject per device, so that the stream's
 // per-subject limit is a per-device limit.
@@ -187,25 +138,4 @@ func ParkedDevice(prefix, subject string) (device string, p int, ok bool) {
 		return "", -1, false
 	}
 	return device, n, true
-}
-
-// ParseControlKey splits a control-bucket key into its kind ([KindLease], [KindMember] or
-// [KindCheckpoint]) and the rest: the partition of a lease or checkpoint (p is -1 for a member,
-// or for a partition that is not a number), the id of a member. ok is false for any other key.
-func ParseControlKey(key string) (kind string, p int, id string, ok bool) {
-	kind, rest, found := strings.Cut(key, ".")
-	if !found || rest == "" {
-		return "", -1, "", false
-	}
-	switch kind {
-	case KindMember:
-		return kind, -1, rest, true
-	case KindLease, KindCheckpoint:
-		n, err := strconv.Atoi(rest)
-		if err != nil || n < 0 || strconv.Itoa(n) != rest {
-			return "", -1, "", false
-		}
-		return kind, n, "", true
-	}
-	return "", -1, "", false
 }

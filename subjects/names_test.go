@@ -18,32 +18,6 @@ func TestNamesWithDefaults(t *testing.T) {
 	}
 }
 
-func TestControlKeys(t *testing.T) {
-	for _, tc := range []struct {
-		key  string
-		kind string
-		p    int
-		id   string
-		ok   bool
-	}{
-		{subjects.LeaseKey(3), subjects.KindLease, 3, "", true},
-		{subjects.CheckpointKey(15), subjects.KindCheckpoint, 15, "", true},
-		{subjects.MemberKey("r-1"), subjects.KindMember, -1, "r-1", true},
-		{"lease.x", "", -1, "", false},
-		{"lease.-1", "", -1, "", false},
-		{"lease.03", "", -1, "", false},
-		{"checkpoint.", "", -1, "", false},
-		{"member.", "", -1, "", false},
-		{"other.1", "", -1, "", false},
-		{"lease", "", -1, "", false},
-	} {
-		kind, p, id, ok := subjects.ParseControlKey(tc.key)
-		if kind != tc.kind || p != tc.p || id != tc.id || ok != tc.ok {
-			t.Errorf("ParseControlKey(%q) = %q, %d, %q, %v; want %q, %d, %q, %v", tc.key, kind, p, id, ok, tc.kind, tc.p, tc.id, tc.ok)
-		}
-	}
-}
-
 func TestStreamLayout(t *testing.T) {
 	for _, tc := range []struct {
 		in   string
@@ -97,9 +71,6 @@ func TestParkedSubjects(t *testing.T) {
 	}
 	if got, want := subjects.ParkedFilter("kv.parked", 3), "kv.parked.3.>"; got != want {
 		t.Errorf("ParkedFilter() = %q, want %q", got, want)
-	}
-	if got, want := subjects.UnparkKey(5, "dev-1"), "unpark.5.dev-1"; got != want {
-		t.Errorf("UnparkKey() = %q, want %q", got, want)
 	}
 	for _, tc := range []struct {
 		prefix, subject string

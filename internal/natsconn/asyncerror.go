@@ -32,7 +32,7 @@ func asyncError(log zerolog.Logger, limit *ratelog.Limiter, sub *nats.Subscripti
 		}
 		grant := grantFor(subject)
 		log.Error().Str("operation", op).Str("subject", subject).Str("grant", grant).Int("suppressed", suppressed).
-			Msgf("NATS permissions violation: this user may not %s to %q; grant it %s on %q (see the README, Least privilege)",
+			Msgf("NATS permissions violation: this user may not %s to %q; grant it %s on %q (see docs/security.md, Least privilege)",
 				op, subject, op, grant)
 		return
 	}
@@ -47,7 +47,7 @@ func asyncError(log zerolog.Logger, limit *ratelog.Limiter, sub *nats.Subscripti
 	ev.Msg("NATS error")
 }
 
-// grantFor returns the permission subject (as the README's least-privilege list spells it)
+// grantFor returns the permission subject (as docs/security.md's least-privilege list spells it)
 // that covers subject.
 func grantFor(subject string) string {
 	t := strings.Split(subject, ".")
