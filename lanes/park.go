@@ -102,7 +102,6 @@ type parking struct {
 	queue   []*parkedDevice // waiting for a drain, in order; dev.queued says which
 	drains  map[uint64]*drain
 	nextID  uint64
-	inbox   string // "<inbox>.": a drain's reply subject is inbox + id + "." + PARKED sequence
 
 	// events carries to the lane what its parking goroutines learn: drain starts and messages,
 	// acknowledgements, purge results, unpark requests. Its senders give up when done is closed
@@ -134,7 +133,6 @@ type parkEventKind uint8
 const (
 	evDrainStart parkEventKind = iota + 1 // a drain's reader read where the device stands
 	evDrainMsg                            // a drain's reader read a parked message
-	evAck                                 // an acknowledgement of a drain's publish
 	evPurged                              // a purge ended
 	evUnpark                              // an unpark.<p>.<device> key was put
 	evKeyDeleted                          // an unpark key was deleted (or that failed)
@@ -149,7 +147,6 @@ type parkEvent struct {
 	seq    uint64 // PARKED sequence of msg; the purge's last sequence
 	at     time.Time
 	l0     uint64 // the device's last PARKED sequence when the drain started
-	ack    *nats.Msg
 	device string
 	mode   drainMode
 	rev    uint64
@@ -254,24 +251,12 @@ func (l *lane) startParking(ctx context.Context) (func(), error) {
 	}
 	gctx, cancel := context.WithCancel(ctx)
 	s.stopWG = cancel
-	s.inbox = l.p.nc.NewInbox() + "."
-	sub, err := l.p.nc.Subscribe(s.inbox+"*.*", func(m *nats.Msg) {
-		select {
-		case s.events <- parkEvent{kind: evAck, ack: m}:
-		case <-s.done:
-		}
-	})
-	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("lanes: subscribing to the drains' acknowledgements: %w", err)
-	}
 	s.wg.Go(func() { l.watchUnpark(gctx) })
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			close(s.done)
 			cancel()
-			_ = sub.Unsubscribe()
 			for _, d := range s.drains {
 				d.stopReader()
 			}
@@ -364,9 +349,9 @@ func (l *lane) parkSettled(e *entry) {
 		return
 	}
 	dev.inFlight--
-	if e.reason == "" && e.acked {
-		dev.last = max(dev.last, e.out)
-		if !e.duplicate {
+	if e.reason == "" && e.om.Stored {
+		dev.last = max(dev.last, e.om.Seq)
+		if !e.om.Duplicate {
 			if dev.count == 0 && dev.oldest.IsZero() && !dev.inherited {
 				dev.oldest = time.Now()
 			}
@@ -414,9 +399,9 @@ func parkRefusal(err error) (reason, why string) {
 // refusal is [permanent] for e, which may be a park.
 func (l *lane) refusal(e *entry) (reason, why string) {
 	if e.parked && e.reason == "" {
-		return parkRefusal(e.err)
+		return parkRefusal(e.om.Err)
 	}
-	return permanent(e.err)
+	return permanent(e.om.Err)
 }
 
 // The server's JSStreamStoreFailedF code and its store's errors for a discard-new limit
@@ -454,8 +439,6 @@ func (l *lane) parkEvent(ctx context.Context, ev parkEvent) {
 		if d := s.drains[ev.drain]; d != nil && d.readerGen == ev.reader {
 			l.drainMsg(d, ev.msg, ev.seq, ev.at)
 		}
-	case evAck:
-		l.drainAck(ev.ack)
 	case evPurged:
 		l.purged(ev)
 	case evUnpark:

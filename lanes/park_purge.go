@@ -86,13 +86,15 @@ func (l *lane) stopParking(ctx context.Context, why error) {
 		d.held = nil
 	}
 	if why == nil && l.valid() {
+		for _, d := range s.drains {
+			d.w.Flush()
+		}
 		for l.drainsUnsettled() && ctx.Err() == nil {
 			select {
+			case m := <-l.in.C():
+				l.in.Handle(m)
 			case ev := <-s.events:
-				switch ev.kind {
-				case evAck:
-					l.drainAck(ev.ack)
-				case evPurged:
+				if ev.kind == evPurged {
 					s.purging = false
 				}
 			case <-ctx.Done():

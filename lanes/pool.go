@@ -1,6 +1,7 @@
 package lanes
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -43,6 +44,18 @@ type Config struct {
 	// reads INCOMING filtered on its partition; with subjects.PartitionStreams it reads its
 	// partition's stream, INCOMING-<p>, unfiltered.
 	StreamLayout subjects.StreamLayout
+	// Outgoing and Unmapped name the output streams (defaults "OUTGOING", "UNMAPPED"): the
+	// lanes read their configurations to choose how to write them (see Singles).
+	Outgoing, Unmapped string
+	// Singles writes every output stream with single publishes, as kvmapper did before it wrote
+	// in batches. By default a replicated stream that allows atomic batches is written in atomic
+	// batches, one that allows fast-ingest batches (allow_batched) in those, and any other with
+	// single publishes: only batches keep a device's order through a leader change of the stream.
+	Singles bool
+	// MaxOpenBatches bounds the atomic batches a pool's lanes hold open on one stream at once
+	// (the server refuses more than 50 per stream by default, from every writer together).
+	// Default 16.
+	MaxOpenBatches int
 	// MaxInFlight bounds the unacknowledged publishes of all lanes of the pool together (I5).
 	// Each partition is guaranteed a quarter of an even split of it, which no other lane can
 	// take; the rest goes to the lanes that have work (see [Pool]). Default 4096, far below the
@@ -113,6 +126,9 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	c.StreamLayout = sl
+	c.Outgoing = cmp.Or(c.Outgoing, subjects.DefaultNames.Outgoing)
+	c.Unmapped = cmp.Or(c.Unmapped, subjects.DefaultNames.Unmapped)
+	c.MaxOpenBatches = cmp.Or(c.MaxOpenBatches, 16)
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = 4096
 	}
@@ -205,7 +221,8 @@ type Pool struct {
 	log    zerolog.Logger
 
 	window    *window // the publishes in flight, shared by all lanes (I5)
-	pullBytes int     // PullMaxBytes, raised to what the largest message needs
+	modes     writeModes
+	pullBytes int // PullMaxBytes, raised to what the largest message needs
 
 	mapped, duplicates, retries, failures atomic.Uint64
 	dropped, reorders                     atomic.Uint64
@@ -346,10 +363,6 @@ func (p *Pool) Stats() Stats {
 	p.unmappedMu.Unlock()
 	return s
 }
-
-// generation counts the connection's reconnects. A publish made in one generation and still
-// unacknowledged in a later one has failed, or is failing: its future reports ErrDisconnected.
-func (p *Pool) generation() uint64 { return p.nc.Stats().Reconnects }
 
 func (p *Pool) countUnmapped(reason string) {
 	p.unmappedMu.Lock()

@@ -204,6 +204,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
+		lcfg.Outgoing, lcfg.Unmapped = names.Outgoing, names.Unmapped
 		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 			return nil, err
 		}

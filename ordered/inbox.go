@@ -397,7 +397,12 @@ func (w *Writer) expire(now time.Time, gen uint64) {
 			w.endBatch(t)
 			continue
 		}
-		if t.broken && now.Sub(t.brokenAt) > endWait && now.Sub(t.endAt) > endWait {
+		switch {
+		case t.broken && now.Sub(t.brokenAt) > w.timeout:
+			// Nothing answers its ends of batch either (no stream takes the subject, the
+			// server is gone): what it stored beyond the last confirmation is not known.
+			w.resolve(t, t.acked, true)
+		case t.broken && now.Sub(t.brokenAt) > endWait && now.Sub(t.endAt) > endWait:
 			w.endBatch(t)
 		}
 	}

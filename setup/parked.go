@@ -65,6 +65,8 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		MaxMsgs:              pc.MaxTotal,
 		Duplicates:           cfg.DuplicateWindow,
 		Replicas:             cfg.Replicas,
+		AllowBatchPublish:    true,
+		AllowAtomicPublish:   true,
 	}
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
