@@ -115,12 +115,17 @@ func (e *clusterEnv) startReplica(i int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The control plane on a connection of its own, as `kvmapper run` dials it.
+	control, err := jetstream.New(e.c.Connect(t, i, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectBufSize(-1)))
+	if err != nil {
+		t.Fatal(err)
+	}
 	lcfg, ecfg := runDefaults(e.lay)
 	id := "r" + strconv.Itoa(i)
 	logs := &logBuf{}
 	// Info and above, and the election's debug lines (renewals), which tell a lost lease's story.
 	log := zerolog.New(electionDebug{logs}).Level(zerolog.DebugLevel).With().Timestamp().Str("replica", id).Logger()
-	r, err := replica.New(context.Background(), js, replica.Config{ID: id, Setup: e.scfg, Lanes: lcfg, Election: ecfg, Logger: log})
+	r, err := replica.New(context.Background(), js, replica.Config{ID: id, Setup: e.scfg, Lanes: lcfg, Election: ecfg, Logger: log, Control: control})
 	if err != nil {
 		t.Fatalf("replica.New(%s): %v", id, err)
 	}

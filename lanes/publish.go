@@ -7,7 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/ordered"
@@ -38,21 +37,6 @@ type writeModes struct {
 	slots map[string]*ordered.Slots
 }
 
-// modeFor chooses how to write a stream configured so: atomic batches on a replicated stream
-// that allows them (they can carry a fence: design-fencing.md), fast-ingest batches on one that
-// allows those (the fastest durable writes on one replica), single publishes otherwise.
-func modeFor(c jetstream.StreamConfig) ordered.Mode {
-	switch {
-	case c.Replicas > 1 && c.AllowAtomicPublish:
-		return ordered.ModeAtomic
-	case c.AllowBatchPublish:
-		return ordered.ModeBatch
-	case c.AllowAtomicPublish:
-		return ordered.ModeAtomic
-	}
-	return ordered.ModeSingle
-}
-
 // modesTTL is how long the pool trusts the modes it read.
 const modesTTL = 10 * time.Second
 
@@ -73,7 +57,7 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 			if !p.cfg.Singles {
 				rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 				if s, err := p.js.Stream(rctx, name); err == nil {
-					mode = modeFor(s.CachedInfo().Config)
+					mode = ordered.ModeFor(s.CachedInfo().Config)
 				}
 				cancel()
 			}

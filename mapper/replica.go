@@ -62,6 +62,11 @@ type Config struct {
 	MetricsListen string
 	// EventsSubject is where this replica publishes its ownership changes; "" means nowhere.
 	EventsSubject string
+	// Control, when set, is a JetStream context on a connection of the replica's own for the
+	// control plane: leases, member heartbeats, checkpoints, the groups table. The lanes' reads
+	// and writes stay on the connection [New] is given. `kvmapper run` dials one; nil shares the
+	// lanes' connection.
+	Control jetstream.JetStream
 	// Host names the machine in status reports; default os.Hostname.
 	Host string
 }
@@ -147,11 +152,19 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if err != nil {
 		return nil, err
 	}
-	groups, err := js.KeyValue(ctx, cfg.Setup.Groups)
+	// The control plane (leases, member heartbeats, checkpoints, the groups table) goes on a
+	// connection of its own when given one: on the lanes' connection it queues behind their
+	// deliveries and batches, in both directions, and a renewal late by the lease's margin
+	// loses the lease.
+	cjs := js
+	if cfg.Control != nil {
+		cjs = cfg.Control
+	}
+	groups, err := cjs.KeyValue(ctx, cfg.Setup.Groups)
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Groups, err)
 	}
-	control, err := js.KeyValue(ctx, cfg.Setup.Control)
+	control, err := cjs.KeyValue(ctx, cfg.Setup.Control)
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
@@ -231,7 +244,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	} else {
 		ecfg.OnChange = r.observeChange
 	}
-	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) error {
+	elector, err := election.New(cjs, control, func(ctx context.Context, l *election.Lease) error {
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
 		// to the old group (I4). The lease stays held while the table catches up.
@@ -528,6 +541,9 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 		TableRevision: r.table.Revision(),
 		WatchLag:      -1,
 		LeaseTTL:      r.leaseTTL,
+	}
+	if lp, ok := r.pool.(*lanes.Pool); ok {
+		s.WriteModes = lp.WriteModes()
 	}
 	for _, rep := range status.ReadReplication(ctx, r.js, r.streams, streamInfoTimeout) {
 		st := metrics.Stream{Name: rep.Stream, Replicas: rep.Replicas, Leader: rep.Leader}

@@ -41,6 +41,22 @@ func (m Mode) String() string {
 	return "mode(" + strconv.Itoa(int(m)) + ")"
 }
 
+// ModeFor returns how kvmapper writes a stream configured so: in atomic batches when it is
+// replicated and allows them (they can carry a fence, and a leader change cannot reorder them), in
+// fast-ingest batches when it allows those (the fastest durable writes on one replica), with
+// single publishes otherwise.
+func ModeFor(c jetstream.StreamConfig) Mode {
+	switch {
+	case c.Replicas > 1 && c.AllowAtomicPublish:
+		return ModeAtomic
+	case c.AllowBatchPublish:
+		return ModeBatch
+	case c.AllowAtomicPublish:
+		return ModeAtomic
+	}
+	return ModeSingle
+}
+
 // Stream is one stream a [Writer] writes, and how.
 type Stream struct {
 	Name string
