@@ -464,7 +464,6 @@ func (l *lane) prepare(d delivery) *entry {
 	return e
 }
 
-
 // build makes e what to publish for d: the mapped message, or a dead letter with its reason.
 // The strings it publishes live in e's own buffer, and the header map is e's own: a message
 // costs no allocation here (see [entry.since]).
