@@ -49,6 +49,21 @@ func parseAck(m *nats.Msg) (duplicate bool, seq uint64, err error) {
 	return dupAt >= 0 && bytes.HasPrefix(m.Data[dupAt:], ackTrue), seq, nil
 }
 
+var ackStreamKey = []byte(`"stream"`)
+
+// ackStream returns the stream an acknowledgement names, or "".
+func ackStream(b []byte) string {
+	i := afterKey(b, ackStreamKey)
+	if i < 0 || i >= len(b) || b[i] != '"' {
+		return ""
+	}
+	j := bytes.IndexByte(b[i+1:], '"')
+	if j < 0 {
+		return ""
+	}
+	return string(b[i+1 : i+1+j])
+}
+
 // afterKey returns where the value of key (quoted) starts in the JSON object b, or -1.
 func afterKey(b, key []byte) int {
 	i := bytes.Index(b, key)

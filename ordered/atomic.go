@@ -200,6 +200,11 @@ func (w *Writer) atomicAnswer(bn uint64, a *nats.Msg) {
 		w.failAtomic(t, fmt.Errorf("%w: batch of %d answered with count %d: %q", errBadAck, len(t.msgs), r.Count, a.Data))
 		return
 	}
+	if w.wrongStream(t, t.msgs[len(t.msgs)-1], r.Stream) {
+		w.failAtomic(t, t.msgs[len(t.msgs)-1].Err)
+		return
+	}
+	t.lastSeq = max(t.lastSeq, r.Seq)
 	// Stored whole, in order, ending at r.Seq.
 	first := r.Seq - r.Count + 1
 	for i, m := range t.msgs {

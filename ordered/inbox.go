@@ -132,7 +132,11 @@ func (w *Writer) single(key uint64, a *nats.Msg) {
 		w.failed = true
 		return
 	}
+	if w.cfg.CheckStream && w.wrongStream(t, m, ackStream(a.Data)) {
+		return
+	}
 	m.Stored, m.Duplicate, m.Seq = true, dup, seq
+	t.lastSeq = max(t.lastSeq, seq)
 	w.timeout = w.cfg.PublishTimeout
 	if !dup {
 		w.overtaken(m)
@@ -258,6 +262,12 @@ func (w *Writer) batchAnswer(t *target, on uint64, op byte, m *nats.Msg) {
 	case a.Error != nil:
 		w.batchRefused(t, on, op, msg, a.Error)
 	case a.Batch != "":
+		if msg != nil && w.wrongStream(t, msg, a.Stream) {
+			w.breakBatch(t, msg.Err)
+			w.resolve(t, 0, true)
+			return
+		}
+		t.lastSeq = max(t.lastSeq, a.Seq)
 		if len(t.msgs) == 1 && a.Count == 1 {
 			// A batch of one is answered like a single publish.
 			t.msgs[0].Seq, t.msgs[0].Duplicate = a.Seq, a.Duplicate

@@ -87,6 +87,9 @@ type Config struct {
 	// not allow them (or a server that does not know them): the writer writes it singly from
 	// then on.
 	OnFallback func(stream string, err error)
+	// CheckStream fails a message stored by another stream than its own with ErrWrongStream:
+	// two streams whose subjects overlap.
+	CheckStream bool
 }
 
 func (c *Config) setDefaults() {
@@ -101,6 +104,9 @@ var (
 	// batch because its fence moved ([Writer.SetFence]): a newer owner wrote its record.
 	// Nothing was stored of that batch, and the writer sends nothing more.
 	ErrFenced = errors.New("ordered: fenced: a newer owner wrote the stream's fence record")
+	// ErrWrongStream marks a message that another stream than the one it was sent for stored
+	// ([Config].CheckStream).
+	ErrWrongStream = errors.New("ordered: another stream stored the message")
 	// ErrStopped is returned by [Writer.Resend] and [Writer.Recover] when [Hooks].Allow said
 	// no: nothing more was sent.
 	ErrStopped = errors.New("ordered: stopped by the caller")
@@ -182,6 +188,8 @@ type target struct {
 	held     *Msg      // given but not sent: it goes out as the next message, or the commit
 	flushed  bool      // Flush was called since the last Send
 
+	lastSeq uint64 // the highest stream sequence an answer named
+
 	// ModeAtomic
 	fenceSubj, fenceSeq string // the fence's headers; "" when the stream has none
 	slot                bool   // the open batch holds one of Slots
@@ -252,6 +260,20 @@ func (w *Writer) Probe() {
 func (w *Writer) SetFence(i int, subject string, seq uint64) {
 	t := w.targets[i]
 	t.fenceSubj, t.fenceSeq = subject, strconv.FormatUint(seq, 10)
+}
+
+// LastSeq returns the highest sequence of stream i that an answer to this writer named: every
+// message it stored there so far is at or below it, and it is a floor for where the next go.
+func (w *Writer) LastSeq(i int) uint64 { return w.targets[i].lastSeq }
+
+// wrongStream fails m when stream is not its target's (Config.CheckStream).
+func (w *Writer) wrongStream(t *target, m *Msg, stream string) bool {
+	if !w.cfg.CheckStream || stream == "" || stream == t.Name {
+		return false
+	}
+	m.Err = fmt.Errorf("%w: stream %s stored a message meant for %s (%s)", ErrWrongStream, stream, t.Name, m.Out.Subject)
+	w.failed = true
+	return true
 }
 
 // Fenced returns [ErrFenced] once the writer was fenced, else nil.
