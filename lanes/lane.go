@@ -417,9 +417,6 @@ func (l *lane) stop(why error) error {
 			}
 			continue
 		}
-		if why != nil {
-			break // fenced: wait for nothing; what it stored is dropped as duplicates later
-		}
 		if err := l.w.Wait(ctx); err != nil {
 			break
 		}

@@ -384,7 +384,6 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 		switch {
 		case d.retryAt.IsZero():
 			first := d.w.FirstErr()
-			l.p.failures.Add(1)
 			d.retryAt = now.Add(d.w.Backoff(first))
 			l.p.warn("park-publish", func(ev *zerolog.Event) {
 				ev.Int("partition", l.a.Partition).Str("device", d.dev.name).Err(first).

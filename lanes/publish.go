@@ -139,6 +139,7 @@ func (p *Pool) writerConfig() ordered.Config {
 		RetryBackoff:    p.cfg.RetryBackoff,
 		MaxRetryBackoff: p.cfg.MaxRetryBackoff,
 		OnFallback:      p.fellBack,
+		OnFail:          func() { p.failures.Add(1) },
 	}
 }
 
@@ -184,7 +185,6 @@ func (l *lane) hooks(ctx context.Context) ordered.Hooks {
 			return l.refused(e, reason, why)
 		},
 		Round: func(first error, unsettled int, pause time.Duration) {
-			l.p.failures.Add(1)
 			// A resent message may now be stored after a later one of its device that was not
 			// refused: look at every message in flight now as it leaves the queue.
 			if len(l.q) > 0 {

@@ -230,7 +230,7 @@ func (w *Writer) resolveAtomic(t *target) {
 			m.Err = errBatchEnded
 		}
 		if m.Err != nil {
-			w.failed = true
+			w.setFailed()
 		}
 	}
 	t.open, t.commit, t.broken, t.why = false, false, false, nil

@@ -129,7 +129,7 @@ func (w *Writer) single(key uint64, a *nats.Msg) {
 			w.fenced = ErrFenced
 		}
 		m.Err = err
-		w.failed = true
+		w.setFailed()
 		return
 	}
 	if w.cfg.CheckStream && w.wrongStream(t, m, ackStream(a.Data)) {
@@ -162,7 +162,7 @@ func (w *Writer) overtaken(m *Msg) {
 		}
 		if x.inFlight() && x.batch == 0 && x.gen == m.gen && x.Stream == m.Stream && !x.at.After(m.at) {
 			x.Err = errOvertaken
-			w.failed = true
+			w.setFailed()
 		}
 	}
 }
@@ -228,7 +228,7 @@ func (w *Writer) batchAnswer(t *target, on uint64, op byte, m *nats.Msg) {
 	if len(m.Data) == 0 {
 		// No responders: nothing took this message (no stream, or one without a leader).
 		switch {
-		case op == opEOB:
+		case op == opEOB || on == t.endSeq:
 			t.endAt = time.Now() // asked again after a pause (see expire)
 		case on == 1:
 			w.breakBatch(t, errNoStream)
@@ -293,11 +293,11 @@ func (w *Writer) batchRefused(t *target, on uint64, op byte, msg *Msg, e *jetstr
 	switch {
 	case e.ErrorCode == errCodeBatchDisabled:
 		w.fallback(t, e)
-	case op == opEOB && e.ErrorCode == errCodeBatchUnknown:
+	case (op == opEOB || on == t.endSeq) && e.ErrorCode == errCodeBatchUnknown:
 		// The batch is gone (its PubAck was lost, or the server forgot it: a restart, its
 		// timeout): what it stored beyond the last confirmation is not known.
 		w.resolve(t, t.acked, true)
-	case op == opEOB:
+	case op == opEOB || on == t.endSeq:
 		t.endAt = time.Now() // asked again after a pause
 	case on == 1:
 		// The first message refused: the batch is gone with it; its next messages are
@@ -364,7 +364,7 @@ func (w *Writer) expire(now time.Time, gen uint64) {
 		}
 		if why != nil {
 			m.Err = why
-			w.failed = true
+			w.setFailed()
 			if t := w.targets[m.Stream]; t.probing == m {
 				t.probing = nil
 			}

@@ -143,7 +143,7 @@ func (w *Writer) Resend(h Hooks) error {
 			continue
 		}
 		if h.Allow != nil && !h.Allow(m) {
-			w.failed = true
+			w.failed = true // the caller stops: not a failure of the stream
 			return ErrStopped
 		}
 		if refused(m.Err) && h.Redirect != nil && !h.Redirect(m) {

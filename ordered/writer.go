@@ -87,6 +87,9 @@ type Config struct {
 	// not allow them (or a server that does not know them): the writer writes it singly from
 	// then on.
 	OnFallback func(stream string, err error)
+	// OnFail, when set, is called each time the writer turns failed: a message failed, or a
+	// batch broke, and nothing new is sent until a round of resends.
+	OnFail func()
 	// CheckStream fails a message stored by another stream than its own with ErrWrongStream:
 	// two streams whose subjects overlap.
 	CheckStream bool
@@ -184,7 +187,7 @@ type target struct {
 	why      error  // why it broke, for its first unconfirmed message
 	brokenAt time.Time
 	endAt    time.Time // when an end of batch was last sent to learn its outcome
-	subject  string    // a subject the stream captures, for an end of batch
+	endSeq   uint64    // the batch sequence of the last end of batch sent; 0: none
 	held     *Msg      // given but not sent: it goes out as the next message, or the commit
 	flushed  bool      // Flush was called since the last Send
 
@@ -272,8 +275,16 @@ func (w *Writer) wrongStream(t *target, m *Msg, stream string) bool {
 		return false
 	}
 	m.Err = fmt.Errorf("%w: stream %s stored a message meant for %s (%s)", ErrWrongStream, stream, t.Name, m.Out.Subject)
-	w.failed = true
+	w.setFailed()
 	return true
+}
+
+// setFailed marks w failed, telling OnFail when it was not.
+func (w *Writer) setFailed() {
+	if !w.failed && w.cfg.OnFail != nil {
+		w.cfg.OnFail()
+	}
+	w.failed = true
 }
 
 // Fenced returns [ErrFenced] once the writer was fenced, else nil.
@@ -441,14 +452,14 @@ func (w *Writer) publish(m *Msg, reply string) {
 	m.Out.Reply = ""
 	if err != nil {
 		m.Err = err
-		w.failed = true
+		w.setFailed()
 		return
 	}
 	if w.in.generation() != m.gen {
 		// A reconnect completed around this publish: it may have gone out on the new
 		// connection ahead of older ones that were lost.
 		m.Err = errConnChanged
-		w.failed = true
+		w.setFailed()
 	}
 }
 
@@ -481,9 +492,8 @@ func (w *Writer) sendBatch(t *target, m *Msg, commit bool) {
 	if !t.open {
 		w.bn++ // numbered across the writer's streams, so that an answer names its stream's batch
 		t.bn = w.bn
-		t.open, t.bseq, t.acked, t.commit, t.broken, t.why = true, 0, 0, false, false, nil
+		t.open, t.bseq, t.acked, t.commit, t.broken, t.why, t.endSeq = true, 0, 0, false, false, nil, 0
 		t.msgs = t.msgs[:0]
-		t.subject = strings.Clone(m.Out.Subject)
 	}
 	t.bseq++
 	op := byte(opAppend)
@@ -520,21 +530,41 @@ func (w *Writer) batchReply(t *target, seq uint64, op byte) string {
 
 // breakBatch stops sending on t's batch: its outcome is learnt from the server.
 func (w *Writer) breakBatch(t *target, why error) {
-	w.failed = true
+	w.setFailed()
 	if !t.broken {
 		t.broken, t.why, t.brokenAt = true, why, time.Now()
 	}
 }
 
-// endBatch sends an end of batch to t's open batch: the server commits what it holds of it and
-// answers with the count, or says it does not know the batch.
+// endBatch ends t's open batch to learn its outcome: it sends the last message of it not known
+// stored once more, as the batch's commit at the next sequence. If that message is stored, the
+// copy is a duplicate the server skips, and the batch commits; if it was lost, the copy shows the
+// gap and the batch ends before it (gap: fail): either way the server answers with the count, or
+// says it does not know the batch. (An empty end of batch would do the same, but it reaches
+// every core subscriber of the subject as an empty message.) A batch whose every message is
+// known stored, or refused, needs no answer: it ends here.
 func (w *Writer) endBatch(t *target) {
+	var last *Msg
+	for _, m := range t.msgs[t.acked:] {
+		if !m.Stored && m.Err == nil {
+			last = m
+		}
+	}
+	if last == nil {
+		w.resolve(t, t.acked, false)
+		return
+	}
 	t.endAt = time.Now()
-	reply := w.batchReply(t, t.bseq+1, opEOB)
-	if err := w.in.nc.PublishRequest(t.subject, reply, nil); err != nil {
+	last.Out.Reply = w.batchReply(t, t.bseq+1, opCommit)
+	err := w.in.nc.PublishMsg(last.Out)
+	last.Out.Reply = ""
+	if err != nil {
 		t.endAt = time.Time{}.Add(1) // try again at the next look
 	}
 	t.commit = true
+	t.bseq++ // the copy took a batch sequence; its answer counts it
+	t.endSeq = t.bseq
+	t.msgs = append(t.msgs, last)
 }
 
 // confirm marks t's batch messages up to batch sequence k stored.
@@ -567,7 +597,7 @@ func (w *Writer) resolve(t *target, k uint64, unknown bool) {
 			m.Err = errBatchEnded
 		}
 		first = false
-		w.failed = true
+		w.setFailed()
 	}
 	if unknown {
 		t.probe = true
