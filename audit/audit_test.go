@@ -521,3 +521,34 @@ func TestErrors(t *testing.T) {
 		t.Errorf("Run(canceled ctx) = %v, want context.Canceled", err)
 	}
 }
+
+// TestFenceRecordsAreNoMessages: the fence records a partition's owner writes in the output
+// streams on takeover (kvmapper.fence.<stream>.<p>, docs/design-fencing.md) are not messages of
+// any device: verify neither counts them nor reports them as foreign.
+func TestFenceRecordsAreNoMessages(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	for _, name := range []string{e.names.Outgoing, e.names.Unmapped} {
+		s, err := e.js.Stream(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := s.CachedInfo().Config
+		c.Subjects = append(c.Subjects, subjects.FenceFilter(name))
+		if _, err := e.js.UpdateStream(ctx, c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record := func(stream string, p int) {
+		r := wire.FenceRecord{Partition: p, Epoch: 3, Owner: "r0", Control: "x", Nonce: "n"}
+		if _, err := e.js.Publish(ctx, subjects.FenceSubject(stream, p), r.Append(nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seqs := e.in("dev-1", "dev-2")
+	record(e.names.Outgoing, subjects.Partition("dev-1", e.lay.Partitions))
+	record(e.names.Unmapped, subjects.Partition("dev-2", e.lay.Partitions))
+	e.out(put{seq: seqs[0], device: "dev-1", epoch: 3})
+	e.out(put{seq: seqs[1], device: "dev-2", unmapped: true, epoch: 3})
+	check(t, e.run(audit.Config{}), counts{Incoming: 2, Outgoing: 1, Unmapped: 1, Devices: 2}, true, nil)
+}

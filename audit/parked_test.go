@@ -17,7 +17,7 @@ import (
 func TestParkedAreNotMissing(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: e.names, Park: &setup.ParkConfig{}}); err != nil {
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: e.names, Park: &setup.ParkedStream{}}); err != nil {
 		t.Fatal(err)
 	}
 	seqs := e.in("dev-1", "dev-2", "dev-2", "dev-3")

@@ -137,6 +137,9 @@ func (r *reader) catchUp(ctx context.Context) error {
 	}
 }
 
+// fencePrefix starts the subjects of the fence records output streams hold beside the messages.
+const fencePrefix = subjects.FencePrefix + "."
+
 // idleCheck is how long catchUp waits for a message before it asks whether any are left.
 const idleCheck = 2 * time.Second
 
@@ -179,6 +182,10 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 		}
 	}
 	sseq, pending = ack.StreamSeq, ack.Pending
+	if strings.HasPrefix(m.Subject(), fencePrefix) {
+		// A partition owner's fence record (docs/design-fencing.md): no message of a device.
+		return sseq, pending
+	}
 	r.read++
 	if r.a.cfg.Progress != nil {
 		if r.unreported++; r.unreported == progressEvery {

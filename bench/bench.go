@@ -26,18 +26,21 @@ var (
 	ErrForeignStreams = errors.New("bench: server holds streams the bench did not create")
 )
 
-// The sub-benchmarks, in the order [Run] runs them; [Config.Only] picks among them.
+// Kind names a sub-benchmark; [Config.Only] picks among them.
+type Kind string
+
+// The sub-benchmarks, in the order [Run] runs them.
 const (
-	Throughput = "throughput"
-	Latency    = "latency"
-	Mapping    = "mapping"
-	TableScale = "table"
-	Failover   = "failover"
-	Direct     = "direct"
+	Throughput Kind = "throughput"
+	Latency    Kind = "latency"
+	Mapping    Kind = "mapping"
+	TableScale Kind = "table"
+	Failover   Kind = "failover"
+	Direct     Kind = "direct"
 )
 
 // All lists every sub-benchmark in the order [Run] runs them.
-var All = []string{Throughput, Latency, Mapping, TableScale, Failover, Direct}
+var All = []Kind{Throughput, Latency, Mapping, TableScale, Failover, Direct}
 
 // Names are the streams and buckets one kvmapper run uses. The subjects are always the default
 // ones: incoming.{device}.{event} → outgoing.{group}.{device}.{event}, unmapped.{device}.{event}.
@@ -62,7 +65,7 @@ type Config struct {
 	// time from /proc to split the cost between server and client. 0: unknown.
 	ServerPID int
 	// Only lists the sub-benchmarks to run ([All] by default).
-	Only []string
+	Only []Kind
 
 	// Messages is how many messages the throughput run maps. Default 1,000,000.
 	Messages int
@@ -100,9 +103,9 @@ type Config struct {
 	FailoverReplicas int
 
 	// Contenders lists the throughput contenders to run, by name (see [Keys]); all by default.
-	Contenders []string
+	Contenders []ContenderName
 	// Profile names the throughput contender the profiles below cover. Default [KVMapper].
-	Profile string
+	Profile ContenderName
 
 	// Child makes the command of a kvmapper replica as a child process. Required for failover.
 	Child ChildFunc
@@ -161,16 +164,26 @@ func (c *Config) setDefaults() error {
 	}
 	for _, o := range c.Only {
 		if !slices.Contains(All, o) {
-			return bad("no sub-benchmark %q (choose among %s)", o, strings.Join(All, ", "))
+			return bad("no sub-benchmark %q (choose among %v)", o, All)
 		}
 	}
 	for _, n := range c.Contenders {
-		if !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == n }) {
+		if !slices.ContainsFunc(Keys, func(k struct {
+			Key  string
+			Name ContenderName
+		}) bool {
+			return k.Name == n
+		}) {
 			return bad("no contender %q", n)
 		}
 	}
 	switch {
-	case !slices.ContainsFunc(Keys, func(k struct{ Key, Name string }) bool { return k.Name == c.Profile }):
+	case !slices.ContainsFunc(Keys, func(k struct {
+		Key  string
+		Name ContenderName
+	}) bool {
+		return k.Name == c.Profile
+	}):
 		return bad("no contender %q to profile", c.Profile)
 	case c.URL == "":
 		return bad("URL is required")
@@ -195,7 +208,7 @@ func (c *Config) setDefaults() error {
 	return nil
 }
 
-func (c *Config) has(name string) bool { return slices.Contains(c.Only, name) }
+func (c *Config) has(k Kind) bool { return slices.Contains(c.Only, k) }
 
 // The subjects every run uses, and the names of what the bench creates. Everything it creates
 // starts with benchPrefix (streams) or KV_bench- (buckets), which is how it knows its own.
@@ -271,7 +284,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		if !cfg.has(name) {
 			continue
 		}
-		e.log.Debug().Str("benchmark", name).Msg("starting")
+		e.log.Debug().Str("benchmark", string(name)).Msg("starting")
 		var err error
 		switch name {
 		case Throughput:

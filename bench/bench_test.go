@@ -47,7 +47,7 @@ func TestRun(t *testing.T) {
 	if tp == nil {
 		t.Fatal("Run().Throughput = nil")
 	}
-	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
+	want := map[bench.ContenderName]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
 		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000, bench.Naive: 500}
 	if len(tp.Contenders) != len(want) {
 		t.Errorf("%d contenders, want %d", len(tp.Contenders), len(want))
@@ -111,7 +111,7 @@ func TestRun(t *testing.T) {
 	if err := rep.WriteText(&text); err != nil {
 		t.Fatalf("WriteText() error = %v", err)
 	}
-	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", bench.Naive, bench.RelayCeiling, "targets (issue 10)"} {
+	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", string(bench.Naive), string(bench.RelayCeiling), "targets (issue 10)"} {
 		if !strings.Contains(text.String(), s) {
 			t.Errorf("WriteText() output lacks %q:\n%s", s, text.String())
 		}
@@ -146,7 +146,7 @@ func TestRunPartitionStreams(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cfg := tiny(srv.URL())
-	cfg.Only = []string{bench.Throughput, bench.Failover}
+	cfg.Only = []bench.Kind{bench.Throughput, bench.Failover}
 	cfg.StreamLayout = subjects.PartitionStreams
 	cfg.Replicas = 3
 	rep, err := bench.Run(ctx, cfg)
@@ -154,7 +154,7 @@ func TestRunPartitionStreams(t *testing.T) {
 		t.Fatalf("Run() error = %v", err)
 	}
 	tp := rep.Throughput
-	want := map[string]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
+	want := map[bench.ContenderName]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
 		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000}
 	if tp == nil || len(tp.Contenders) != len(want) || rep.StreamLayout != "streams" {
 		t.Fatalf("Run() = layout %q, throughput %+v; want the streams layout and %d contenders", rep.StreamLayout, tp, len(want))
@@ -187,7 +187,7 @@ func TestRunRefusesForeignStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := tiny(srv.URL())
-	cfg.Only = []string{bench.TableScale}
+	cfg.Only = []bench.Kind{bench.TableScale}
 	if _, err := bench.Run(ctx, cfg); !errors.Is(err, bench.ErrForeignStreams) {
 		t.Errorf("Run() error = %v, want ErrForeignStreams", err)
 	}
@@ -196,10 +196,10 @@ func TestRunRefusesForeignStreams(t *testing.T) {
 func TestRunInvalidConfig(t *testing.T) {
 	for name, mod := range map[string]func(*bench.Config){
 		"no url":        func(c *bench.Config) { c.URL = "" },
-		"unknown only":  func(c *bench.Config) { c.Only = []string{"speed"} },
+		"unknown only":  func(c *bench.Config) { c.Only = []bench.Kind{"speed"} },
 		"small payload": func(c *bench.Config) { c.Payload = 4 },
 		"stream layout": func(c *bench.Config) { c.StreamLayout = "sharded" },
-		"contender":     func(c *bench.Config) { c.Contenders = []string{"kvmapper", "the fastest"} },
+		"contender":     func(c *bench.Config) { c.Contenders = []bench.ContenderName{"kvmapper", "the fastest"} },
 		"profile":       func(c *bench.Config) { c.Profile = "nobody" },
 	} {
 		t.Run(name, func(t *testing.T) {

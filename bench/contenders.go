@@ -22,19 +22,22 @@ const (
 	// HandWritten is the careful mapper of an afternoon: one durable pull consumer on INCOMING
 	// (one per partition stream in the streams layout), an async publish window of
 	// handWindow with a Nats-Msg-Id, and each INCOMING message acknowledged after its PubAck.
-	HandWritten = "hand-written mapper"
+	HandWritten ContenderName = "hand-written mapper"
 	// RelayAsync is one unfiltered ordered consumer per INCOMING stream and async publishes
 	// with a Nats-Msg-Id: kvmapper's reading and writing without its bookkeeping.
-	RelayAsync = "relay, async publish"
+	RelayAsync ContenderName = "relay, async publish"
 	// RelayCeiling is one unfiltered ordered consumer per INCOMING stream feeding one
 	// fast-ingest batch publisher (jetstreamext.FastPublisher) into an allow_batched OUTGOING,
 	// with a Nats-Msg-Id: the fastest durable write path nats-server 2.15 offers a client.
-	RelayCeiling = "relay ceiling, fast batches"
+	RelayCeiling ContenderName = "relay ceiling, fast batches"
 )
 
 // Keys are the short names [Config.Contenders] and the bench's --contenders flag take, in the
 // order the throughput run runs them.
-var Keys = []struct{ Key, Name string }{
+var Keys = []struct {
+	Key  string
+	Name ContenderName
+}{
 	{"copy", Copy},
 	{"transform", Transform},
 	{"kvmapper", KVMapper},
@@ -45,8 +48,8 @@ var Keys = []struct{ Key, Name string }{
 	{"naive", Naive},
 }
 
-// ContenderName returns the contender a short key names, and whether there is one.
-func ContenderName(key string) (string, bool) {
+// ContenderByKey returns the contender a short key names, and whether there is one.
+func ContenderByKey(key string) (ContenderName, bool) {
 	for _, k := range Keys {
 		if k.Key == key {
 			return k.Name, true
@@ -96,13 +99,13 @@ func outMsg(group map[string]string, stream, subject string, seq uint64, data []
 // rival runs one contender that maps INCOMING into a stream of its own with a connection of its
 // own: create makes the target stream, run maps until its context ends. It is timed from the
 // start of run until the target holds every INCOMING message.
-func (e *env) rival(ctx context.Context, name, target string, create jetstream.StreamConfig,
+func (e *env) rival(ctx context.Context, name ContenderName, target string, create jetstream.StreamConfig,
 	run func(ctx context.Context, nc *nats.Conn) error) (Contender, error) {
 	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
 	}
-	nc, err := nats.Connect(e.cfg.URL, nats.Name("kvmapper bench "+name))
+	nc, err := nats.Connect(e.cfg.URL, nats.Name("kvmapper bench "+string(name)))
 	if err != nil {
 		return Contender{}, err
 	}
@@ -132,7 +135,7 @@ func (e *env) rival(ctx context.Context, name, target string, create jetstream.S
 		}
 		errc <- err
 	}()
-	w, err := e.waitCount(wctx, target, msgs, start, name)
+	w, err := e.waitCount(wctx, target, msgs, start, string(name))
 	server, client := cpu.stop()
 	if perr := e.profile(name, false); err == nil {
 		err = perr
@@ -150,7 +153,7 @@ func (e *env) rival(ctx context.Context, name, target string, create jetstream.S
 }
 
 // profile starts or stops the profiles around the contender cfg.Profile names.
-func (e *env) profile(name string, start bool) error {
+func (e *env) profile(name ContenderName, start bool) error {
 	if name != e.cfg.Profile {
 		return nil
 	}
@@ -413,4 +416,13 @@ func batchWriter(ctx context.Context, js jetstream.JetStream, msgs <-chan *nats.
 			return fmt.Errorf("fast batch: %w", err)
 		}
 	}
+}
+
+// ContenderKeys are the keys of [Keys], in its order.
+func ContenderKeys() []string {
+	var keys []string
+	for _, k := range Keys {
+		keys = append(keys, k.Key)
+	}
+	return keys
 }

@@ -26,7 +26,7 @@ func TestRunDirect(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cfg := tiny(srv.URL())
-	cfg.Only = []string{bench.Direct}
+	cfg.Only = []bench.Kind{bench.Direct}
 	rep, err := bench.Run(ctx, cfg)
 	if err != nil {
 		t.Fatalf("Run() error = %v", err)

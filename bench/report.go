@@ -47,7 +47,7 @@ func (r *Report) WriteText(w io.Writer) error {
 		// Without kvmapper in the run there are no allocations, ratios or targets to show.
 		if t.Get(KVMapper).Messages > 0 {
 			p("kvmapper allocations: %.1f allocs/msg, %.0f B/msg (this process, whole pipeline)", t.AllocsPerMsg, t.BytesPerMsg)
-			target := func(name, what string, want float64) string {
+			target := func(name ContenderName, what string, want float64) string {
 				x, ok := t.Ratio[name]
 				if !ok {
 					return what + ": not run"

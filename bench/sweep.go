@@ -1,11 +1,15 @@
 package bench
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
 	"strings"
 	"text/tabwriter"
+
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // WriteSweep writes, for reports of throughput runs that differ in layout, partitions, replicas
@@ -16,7 +20,7 @@ import (
 func WriteSweep(w io.Writer, reps []*Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	p := func(format string, a ...any) { fmt.Fprintf(tw, format+"\n", a...) }
-	var others []string
+	var others []ContenderName
 	for _, k := range Keys {
 		for _, r := range reps {
 			if t := r.Throughput; t != nil && k.Name != KVMapper && slices.ContainsFunc(t.Contenders, func(c Contender) bool { return c.Name == k.Name }) {
@@ -28,7 +32,7 @@ func WriteSweep(w io.Writer, reps []*Report) error {
 	p("SWEEP: kvmapper's rate, and kvmapper × each contender in the same run")
 	head := "layout\tpartitions\treplicas\tmessages\tkvmapper msgs/s"
 	for _, o := range others {
-		head += "\t× " + o
+		head += "\t× " + string(o)
 	}
 	p("%s", head)
 	type key struct {
@@ -98,4 +102,80 @@ func WriteSweep(w io.Writer, reps []*Report) error {
 		p("%s", strings.Join(lines, "\n"))
 	}
 	return tw.Flush()
+}
+
+// Sweep is what lists of values ask of the throughput bench: one run for every combination, the
+// layouts and partition counts outermost (each needs a server of its own).
+type Sweep struct {
+	Messages, Partitions, Replicas []int
+	Layouts                        []subjects.StreamLayout
+}
+
+// Runs is the number of runs w asks for.
+func (w Sweep) Runs() int {
+	return len(w.Messages) * len(w.Partitions) * len(w.Replicas) * len(w.Layouts)
+}
+
+// RunSweep runs cfg once for every combination of w, and calls each with every report as it
+// comes (a report holds what finished when its run failed). Unless cfg.URL names a server, each
+// layout and partition count gets a server of its own, started from the kvmapper binary exe as
+// srv says ([StartServer]) and stopped after its runs. It returns the reports and the first
+// error, of a run or of each, after which it runs nothing more.
+func RunSweep(ctx context.Context, cfg Config, w Sweep, exe string, srv ServerConfig, each func(*Report) error) ([]*Report, error) {
+	var reps []*Report
+	for _, sl := range w.Layouts {
+		for _, parts := range w.Partitions {
+			if err := sweepServer(ctx, cfg, w, exe, srv, sl, parts, func(r *Report) error {
+				reps = append(reps, r)
+				return each(r)
+			}); err != nil {
+				return reps, err
+			}
+		}
+	}
+	return reps, nil
+}
+
+// sweepServer runs the runs of w with layout sl and parts partitions.
+func sweepServer(ctx context.Context, cfg Config, w Sweep, exe string, srv ServerConfig, sl subjects.StreamLayout, parts int, each func(*Report) error) error {
+	cfg.StreamLayout, cfg.Partitions = sl, parts
+	if cfg.URL == "" {
+		srv.StreamLayout, srv.Partitions, srv.DirectIn = sl, parts, DirectMappedIn
+		s, err := StartServer(ctx, exe, srv)
+		if err != nil {
+			return err
+		}
+		defer s.Stop()
+		cfg.URL, cfg.ServerPID = s.URL(), s.PID()
+		if srv.CPUProfile != "" {
+			cfg.ServerProfile = s.Profile
+		}
+	}
+	for _, r := range w.Replicas {
+		for _, n := range w.Messages {
+			run := cfg
+			run.Replicas, run.Messages = r, n
+			rep, err := Run(ctx, run)
+			if rep != nil {
+				if werr := each(rep); werr != nil && err == nil {
+					err = werr
+				}
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// WriteJSON writes reps as indented JSON: the one report of a single run as an object, or, for
+// a sweep, all of them as an array.
+func WriteJSON(w io.Writer, reps []*Report, sweep bool) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if !sweep && len(reps) == 1 {
+		return enc.Encode(reps[0])
+	}
+	return enc.Encode(reps)
 }

@@ -3,6 +3,7 @@ package bench_test
 import (
 	"bytes"
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,22 +18,22 @@ func TestRunContenders(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cfg := tiny(srv.URL())
-	cfg.Only = []string{bench.Throughput}
-	cfg.Contenders = []string{bench.KVMapper, bench.HandWritten, bench.RelayCeiling}
+	cfg.Only = []bench.Kind{bench.Throughput}
+	cfg.Contenders = []bench.ContenderName{bench.KVMapper, bench.HandWritten, bench.RelayCeiling}
 	var cpu bytes.Buffer
 	cfg.CPUProfile, cfg.Profile = &cpu, bench.RelayCeiling
 	rep, err := bench.Run(ctx, cfg)
 	if err != nil {
 		t.Fatalf("Run() error = %v", err)
 	}
-	var got []string
+	var got []bench.ContenderName
 	for _, c := range rep.Throughput.Contenders {
 		got = append(got, c.Name)
 	}
-	if strings.Join(got, ",") != strings.Join(cfg.Contenders, ",") {
+	if !slices.Equal(got, cfg.Contenders) {
 		t.Fatalf("contenders %q, want %q", got, cfg.Contenders)
 	}
-	for _, name := range []string{bench.HandWritten, bench.RelayCeiling} {
+	for _, name := range []bench.ContenderName{bench.HandWritten, bench.RelayCeiling} {
 		if rep.Throughput.Ratio[name] <= 0 {
 			t.Errorf("Ratio[%s] = %v, want > 0", name, rep.Throughput.Ratio[name])
 		}
@@ -49,7 +50,7 @@ func TestWriteSweep(t *testing.T) {
 		return &bench.Report{StreamLayout: layout, Throughput: &bench.ThroughputResult{
 			Messages: msgs, Partitions: parts, Replicas: repl,
 			Contenders: []bench.Contender{{Name: bench.KVMapper, MsgsPerSec: kvm}, {Name: bench.RelayCeiling, MsgsPerSec: ceiling}},
-			Ratio:      map[string]float64{bench.RelayCeiling: kvm / ceiling},
+			Ratio:      map[bench.ContenderName]float64{bench.RelayCeiling: kvm / ceiling},
 		}}
 	}
 	reps := []*bench.Report{

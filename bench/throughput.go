@@ -16,19 +16,23 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
+// ContenderName names a contender of the throughput run, as its report shows it; [Keys] gives
+// each a short key.
+type ContenderName string
+
 // The contenders of the throughput run.
 const (
-	KVMapper = "kvmapper"
+	KVMapper ContenderName = "kvmapper"
 	// KVMapperBare is kvmapper without provenance headers (--no-provenance): what they cost.
-	KVMapperBare = "kvmapper, no provenance"
-	Copy         = "server-side copy"
-	Transform    = "server-side transform"
-	Naive        = "naive mapper"
+	KVMapperBare ContenderName = "kvmapper, no provenance"
+	Copy         ContenderName = "server-side copy"
+	Transform    ContenderName = "server-side transform"
+	Naive        ContenderName = "naive mapper"
 )
 
 // Contender is one way of getting INCOMING into a target stream, timed.
 type Contender struct {
-	Name string `json:"name"`
+	Name ContenderName `json:"name"`
 	// Messages the target stream held when timing stopped.
 	Messages uint64 `json:"messages"`
 	// MsgsPerSec is the steady rate: messages stored after the first poll that saw any, over the
@@ -64,7 +68,7 @@ type ThroughputResult struct {
 	FillMsgsPerSec float64     `json:"fill_msgs_per_s"`
 	Contenders     []Contender `json:"contenders"`
 	// Ratio is kvmapper's rate divided by each other contender's.
-	Ratio map[string]float64 `json:"ratio"`
+	Ratio map[ContenderName]float64 `json:"ratio"`
 	// AllocsPerMsg and BytesPerMsg are this process's heap allocations during the kvmapper run
 	// (runtime.MemStats Mallocs and TotalAlloc deltas, from the tables being loaded until OUTGOING
 	// held every message) per message: the whole pipeline, nats.go included.
@@ -73,7 +77,7 @@ type ThroughputResult struct {
 }
 
 // Get returns the contender named name, or the zero Contender.
-func (r *ThroughputResult) Get(name string) Contender {
+func (r *ThroughputResult) Get(name ContenderName) Contender {
 	for _, c := range r.Contenders {
 		if c.Name == name {
 			return c
@@ -85,7 +89,7 @@ func (r *ThroughputResult) Get(name string) Contender {
 func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 	n := e.cfg.Messages
 	res := &ThroughputResult{Messages: n, Devices: e.cfg.Devices, Partitions: e.cfg.Partitions, Replicas: e.cfg.Replicas,
-		Payload: e.cfg.Payload, Ratio: map[string]float64{}}
+		Payload: e.cfg.Payload, Ratio: map[ContenderName]float64{}}
 	if err := e.createIncoming(ctx); err != nil {
 		return nil, err
 	}
@@ -97,7 +101,7 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		return nil, err
 	}
 	runs := []struct {
-		name string
+		name ContenderName
 		run  func(context.Context) (Contender, error)
 	}{
 		{Copy, func(ctx context.Context) (Contender, error) { return e.source(ctx, Copy, "BENCH_OUT_COPY", nil) }},
@@ -121,7 +125,7 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		if err != nil {
 			return res, fmt.Errorf("%s: %w", r.name, err)
 		}
-		e.log.Debug().Str("contender", c.Name).Float64("msgs_per_s", c.MsgsPerSec).Msg("done")
+		e.log.Debug().Str("contender", string(c.Name)).Float64("msgs_per_s", c.MsgsPerSec).Msg("done")
 		res.Contenders = append(res.Contenders, c)
 	}
 	k := res.Get(KVMapper).MsgsPerSec
@@ -134,7 +138,7 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 }
 
 // source times a stream sourcing INCOMING, with subject transforms or none.
-func (e *env) source(ctx context.Context, name, stream string, transforms []jetstream.SubjectTransformConfig) (Contender, error) {
+func (e *env) source(ctx context.Context, name ContenderName, stream string, transforms []jetstream.SubjectTransformConfig) (Contender, error) {
 	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
@@ -154,7 +158,7 @@ func (e *env) source(ctx context.Context, name, stream string, transforms []jets
 	if err != nil {
 		return Contender{}, fmt.Errorf("creating %s: %w", stream, err)
 	}
-	w, err := e.waitCount(ctx, stream, msgs, start, name)
+	w, err := e.waitCount(ctx, stream, msgs, start, string(name))
 	if err != nil {
 		return Contender{}, err
 	}
@@ -163,7 +167,7 @@ func (e *env) source(ctx context.Context, name, stream string, transforms []jets
 	return c, e.deleteStream(ctx, stream)
 }
 
-func contender(name string, w waited) Contender {
+func contender(name ContenderName, w waited) Contender {
 	return Contender{Name: name, Messages: w.messages, MsgsPerSec: w.rate, Seconds: secs(w.done.Sub(w.first)), Startup: Seconds(w.startup.Seconds())}
 }
 
@@ -177,7 +181,7 @@ func (e *env) streamInfo(ctx context.Context, name string) (*jetstream.StreamInf
 
 // kvmapper times the in-process replicas from the moment their tables are loaded. The run named
 // KVMapperBare leaves the provenance headers out; only the KVMapper run counts allocations.
-func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) (Contender, error) {
+func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name ContenderName) (Contender, error) {
 	msgs, _, err := e.incomingState(ctx)
 	if err != nil {
 		return Contender{}, err
@@ -207,7 +211,7 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name string) 
 	}
 	cpu := e.cpuStart()
 	start := time.Now()
-	w, werr := e.waitCount(ctx, names.Outgoing, msgs, start, name)
+	w, werr := e.waitCount(ctx, names.Outgoing, msgs, start, string(name))
 	server, client := cpu.stop()
 	runtime.ReadMemStats(&ms1)
 	if prof {
@@ -314,7 +318,7 @@ func (e *env) naive(ctx context.Context) (Contender, error) {
 	nctx, stop := context.WithCancel(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- naiveLoop(nctx, js, cons, group, k) }()
-	w, err := e.waitCount(ctx, stream, uint64(k), start, Naive)
+	w, err := e.waitCount(ctx, stream, uint64(k), start, string(Naive))
 	stop()
 	if lerr := <-errc; err == nil && lerr != nil && !errors.Is(lerr, context.Canceled) {
 		err = lerr

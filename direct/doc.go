@@ -9,7 +9,9 @@
 // server configuration, through one subscription to every device subject per replica, which
 // keeps its partitions. A partition handed over gracefully passes from the old owner to the new
 // one with no message lost or forwarded twice: the old owner keeps forwarding until the new one
-// has subscribed, then tells it which messages it forwarded. Leases, the groups table and
+// has subscribed, then tells it which messages it forwarded: in kvmapper "handoff" names this
+// owner-to-owner protocol only (its headers KVMapper-Handoff-*, --handoff-timeout); a lease
+// changing hands is a handover (package election). Leases, the groups table and
 // dialling NATS are left to the caller: a partition runs under the context it is handed, and
 // stops when that context ends or its lease's clock runs out.
 package direct

@@ -73,7 +73,7 @@ func (l *lane) join(ctx context.Context) error {
 			}
 		}
 		l.log.Debug().Int("forwarded_by_previous", len(ans.replies)).Int("held", l.q.len()).
-			Bool("previous_fenced", ans.fenced).Dur("waited", time.Since(start)).Msg("partition taken over")
+			Bool("previous_fenced", ans.fenced).Int64("waited_ms", time.Since(start).Round(time.Millisecond).Milliseconds()).Msg("partition taken over")
 	}
 	sub, err := l.p.nc.Subscribe(l.p.handoffSubject(l.a.Partition), func(m *nats.Msg) {
 		select {
@@ -172,7 +172,7 @@ func (l *lane) linger() {
 		select {
 		case <-deadline.C:
 			l.p.warn("handoff timeout", func(e *zerolog.Event) {
-				e.Int("partition", l.a.Partition).Dur("handoff_timeout", l.p.cfg.HandoffTimeout).
+				e.Int("partition", l.a.Partition).Int64("handoff_timeout_ms", l.p.cfg.HandoffTimeout.Milliseconds()).
 					Msg("no new owner announced itself: released partition stops forwarding; its messages get no acknowledgement until one does")
 			})
 			return

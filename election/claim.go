@@ -38,6 +38,9 @@ type unanswered struct {
 	planned bool
 	slot    slot      // the partition as the view showed it at the first attempt, for the log
 	retry   time.Time // when the loop tries it again
+	// over is the revision a takeover writes over: the last write of a lease judged dead
+	// ([Config.JudgedExpiry]); 0 for a claim of a free partition.
+	over uint64
 }
 
 // live reports whether a lease stored under c would still be valid by the lease clock.
@@ -71,6 +74,9 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	delete(e.unanswered, p)
 	if !again || !e.live(c) {
 		c = unanswered{nonce: rand.Text(), sent: e.cfg.Clock(), planned: planned, slot: s}
+		if s.owner != "" {
+			c.over = s.rev // a lease judged dead: taken over only if nobody wrote it since
+		}
 	}
 	// A claim tried again may find the view showing its own lease: log what it was claimed from.
 	planned, s = c.planned || planned, c.slot
@@ -102,9 +108,15 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	}
 	e.holders[p] = h
 	e.publishOwned()
-	e.log.Info().Int("partition", p).Str("old_owner", s.lastOwner).Str("new_owner", e.cfg.ReplicaID).
-		Uint64("epoch", rev).Dur("unowned", time.Since(s.freeSince)).Bool("planned", planned).
-		Bool("answer_lost", found).Msg("partition claimed")
+	old := s.lastOwner
+	if c.over != 0 {
+		old = s.owner // taken over from an owner judged dead
+	}
+	unowned := time.Since(s.freeSince)
+	e.log.Debug().Int("partition", p).Str("old_owner", old).Str("new_owner", e.cfg.ReplicaID).
+		Uint64("epoch", rev).Int64("unowned_ms", ms(unowned)).Bool("planned", planned).
+		Bool("answer_lost", found).Bool("taken_over", c.over != 0).Msg("partition claimed")
+	e.claimed = append(e.claimed, claimed{p: p, from: old, unowned: unowned, answerLost: found, takenOver: c.over != 0})
 	e.goroutines.Go(func() { e.exits <- h.run(ctx) })
 }
 
@@ -122,7 +134,7 @@ func (e *Elector) create(ctx context.Context, key string, c unanswered) (rev uin
 	wctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
 	defer cancel()
 	sent = e.cfg.Clock()
-	rev, err = e.publishClaim(wctx, key, c.nonce, 0)
+	rev, err = e.publishClaim(wctx, key, c.nonce, c.over)
 	if err == nil {
 		return rev, sent, false, nil
 	}

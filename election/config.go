@@ -40,6 +40,24 @@ type Config struct {
 	Settle time.Duration
 	// MemberTTL is the per-key TTL of member.<id>; whole seconds, at least 1s. Default LeaseTTL.
 	MemberTTL time.Duration
+	// JudgedExpiry, when set, lets this replica take a lease over (and leave a member out of
+	// the quotas) whose owner has not written it for this long of writable time: time in which
+	// this replica's own writes to the bucket (its member heartbeat and its renewals, every
+	// RenewInterval) were stored and came back on its own watch, with no gap longer than three
+	// renew intervals between two of them by this replica's clock or by the stream's
+	// timestamps. Seeing its own write come back proves the watch delivered everything stored
+	// before it, a renewal included; a gap (the bucket electing its leader, a slow server, the
+	// watch restarting) starts the count again, so an election moves no partition. The takeover
+	// writes over the revision it judged (a renewal meanwhile keeps the lease with its owner);
+	// the server-side TTL stays LeaseTTL, the backstop. Renewals and heartbeats then wait at most
+	// RenewInterval for their answer, so that the first after an election is stored within
+	// about one interval.
+	//
+	// An owner judged dead may be alive (stopped, cut off, slow) and still writing its outputs:
+	// set JudgedExpiry only when every output of the work refuses a fenced owner's writes
+	// (docs/design-fencing.md). Zero turns it off: a lease then ends only when it is released
+	// or expires on the server. It must be at least twice RenewInterval and below LeaseTTL.
+	JudgedExpiry time.Duration
 	// ReleaseTimeout bounds how long the Elector waits for a Work to return after cancelling it,
 	// on release and on shutdown. Default 30s.
 	ReleaseTimeout time.Duration
@@ -174,6 +192,9 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if cfg.MemberTTL < time.Second || cfg.MemberTTL%time.Second != 0 || cfg.MemberTTL <= cfg.RenewInterval {
 		return bad("member ttl %v must be whole seconds, at least 1s and above the renew interval", cfg.MemberTTL)
+	}
+	if cfg.JudgedExpiry < 0 || cfg.JudgedExpiry > 0 && (cfg.JudgedExpiry < 2*cfg.RenewInterval || cfg.JudgedExpiry >= cfg.LeaseTTL) {
+		return bad("judged expiry %v must be 0 or in [2 × renew interval = %v, lease ttl %v)", cfg.JudgedExpiry, 2*cfg.RenewInterval, cfg.LeaseTTL)
 	}
 	if cfg.ReleaseTimeout == 0 {
 		cfg.ReleaseTimeout = 30 * time.Second

@@ -33,7 +33,8 @@ const inTransit = "?"
 // return (up to ReleaseTimeout) before deleting the lease, so Work can drain in-flight work and
 // write its final checkpoint. A Work that returns while its ctx is alive gives the partition up:
 // the lease is released, a non-nil error is logged, and this replica reclaims the partition only
-// after a backoff. Work runs on its own goroutine, one per owned partition; the partition is not
+// after a backoff; unless the error wraps [ErrLeaseLost] (the work found a newer owner's fence),
+// which ends the lease as a lost one: nothing is deleted. Work runs on its own goroutine, one per owned partition; the partition is not
 // claimed again by this replica until Work has returned.
 type Work func(ctx context.Context, l *Lease) error
 
@@ -64,6 +65,12 @@ type Elector struct {
 	holders  map[int]*holder
 	failures map[int]int       // consecutive Work failures per partition
 	cooldown map[int]time.Time // no claim before this time
+	// claimed, handing and released gather what one pass of the loop did, so that a start
+	// claiming every partition, a rebalance or a shutdown logs one line, not one per partition
+	// (see logPass); each partition's own line is at debug level.
+	claimed  []claimed
+	handing  []int
+	released []int
 	// unanswered are the claims whose outcome is not known yet, by partition (see claim).
 	unanswered map[int]unanswered
 	settle     settle
@@ -214,6 +221,25 @@ func (e *Elector) stale() bool {
 	return false
 }
 
+// ownGap is the longest gap between two of this replica's own writes seen on the watch that
+// still counts as one run of writable time (see [Config.JudgedExpiry]).
+func (e *Elector) ownGap() time.Duration { return 3 * e.cfg.RenewInterval }
+
+// judged reports whether a key last written at h (a lease, a member) has been silent for
+// JudgedExpiry of writable time: its owner is taken for dead.
+func (e *Elector) judged(own writable, h heard) bool {
+	return e.cfg.JudgedExpiry > 0 && own.silentFor(h) >= e.cfg.JudgedExpiry
+}
+
+// judgeable returns when a key last written at h could be judged dead if this replica's own
+// writes go on being heard, and zero without JudgedExpiry or before any own write is heard.
+func (e *Elector) judgeable(own writable, h heard) time.Time {
+	if e.cfg.JudgedExpiry <= 0 {
+		return time.Time{}
+	}
+	return own.judgeableAt(h, e.cfg.JudgedExpiry)
+}
+
 // kickLoop wakes the loop without blocking.
 func (e *Elector) kickLoop() {
 	select {
@@ -227,38 +253,53 @@ func (e *Elector) kickLoop() {
 // claims any partition unowned longer than Grace, and tries again the claims whose answer was
 // lost. It returns when it next needs to run (zero if only events matter).
 func (e *Elector) reconcile(ctx context.Context) time.Time {
-	ready, live, slots := e.view.snapshot()
+	ready, live, slots, own := e.view.snapshot()
 	if !ready {
 		return time.Time{}
 	}
+	now := time.Now()
+	var next time.Time
+	later := func(t time.Time) {
+		if !t.IsZero() && (next.IsZero() || t.Before(next)) {
+			next = t
+		}
+	}
 	me := e.cfg.ReplicaID
-	live[me] = struct{}{}
-	members := make([]string, 0, len(live))
-	for m := range live {
+	members := make([]string, 0, len(live)+1)
+	members = append(members, me)
+	for m, h := range live {
+		if m == me {
+			continue
+		}
+		if e.judged(own, h) {
+			continue // left out of the quotas: it has been silent for JudgedExpiry
+		}
+		later(e.judgeable(own, h))
 		members = append(members, m)
 	}
 	slices.Sort(members)
 	// The holders, not the watch, say what this replica owns: the watch lags behind claims,
-	// and counting a fresh claim as free would make Plan claim past the quota.
+	// and counting a fresh claim as free would make Plan claim past the quota. A lease judged
+	// dead counts as free, since when it was judged; claiming it writes over its last revision.
 	owners := make([]string, len(slots))
 	for p, s := range slots {
 		owners[p] = s.owner
-		if s.owner == me {
+		h := heard{seen: s.seen, stored: s.stored}
+		switch {
+		case s.owner == me:
 			owners[p] = inTransit
+		case s.owner == "":
+		case e.judged(own, h):
+			owners[p] = ""
+			slots[p].freeSince = e.judgeable(own, h)
+		default:
+			later(e.judgeable(own, h))
 		}
 	}
 	for p := range e.holders {
 		owners[p] = me
 	}
 	claims, releases := Plan(me, members, owners)
-
-	now := time.Now()
-	var next time.Time
-	later := func(t time.Time) {
-		if next.IsZero() || t.Before(next) {
-			next = t
-		}
-	}
 
 	// Partitions already being handed over count towards the excess, whichever they are. A
 	// partition claimed past Grace is kept for a while rather than swapped for another, so
@@ -285,8 +326,14 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 		}
 		h.releasing = true
 		close(h.release)
-		e.log.Info().Int("partition", p).Uint64("epoch", h.lease.Epoch).Int("quota", Quota(len(owners), members, me)).
-			Int("members", len(members)).Msg("handing partition over for rebalance")
+		e.log.Debug().Int("partition", p).Uint64("epoch", h.lease.Epoch).Msg("handing partition over for rebalance")
+		e.handing = append(e.handing, p)
+	}
+	if len(e.handing) > 0 {
+		slices.Sort(e.handing)
+		e.log.Info().Ints("partitions", e.handing).Int("quota", Quota(len(owners), members, me)).
+			Int("members", len(members)).Msg("handing partitions over for rebalance")
+		e.handing = e.handing[:0]
 	}
 
 	if ctx.Err() != nil {
@@ -326,8 +373,84 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 	if t := e.retryUnanswered(ctx, now, slots); !t.IsZero() {
 		later(t)
 	}
+	e.logClaimed()
 	return next
 }
+
+// claimed is one partition a pass of the loop claimed.
+type claimed struct {
+	p          int
+	from       string // the previous owner, if any
+	unowned    time.Duration
+	answerLost bool
+	takenOver  bool // from an owner judged dead (Config.JudgedExpiry)
+}
+
+// logClaimed logs, in one line, the partitions the pass claimed: which, from whom, the longest
+// any of them was unowned, and how many were found rather than acknowledged (an answer lost).
+func (e *Elector) logClaimed() {
+	if len(e.claimed) == 0 {
+		return
+	}
+	var ps []int
+	var from []string
+	var longest time.Duration
+	lost, taken := 0, 0
+	for _, c := range e.claimed {
+		if c.takenOver {
+			taken++
+		}
+		ps = append(ps, c.p)
+		if c.from != "" && !slices.Contains(from, c.from) {
+			from = append(from, c.from)
+		}
+		longest = max(longest, c.unowned)
+		if c.answerLost {
+			lost++
+		}
+	}
+	slices.Sort(ps)
+	slices.Sort(from)
+	ev := e.log.Info().Ints("partitions", ps).Int("owned", len(e.holders)).Int64("unowned_ms", ms(longest))
+	if len(from) > 0 {
+		ev = ev.Strs("old_owners", from)
+	}
+	if lost > 0 {
+		ev = ev.Int("answer_lost", lost)
+	}
+	if taken > 0 {
+		ev = ev.Int("taken_over", taken)
+	}
+	ev.Msg("partitions claimed")
+	e.claimed = e.claimed[:0]
+}
+
+// logReleased logs, in one line, the partitions released since the last such line, once none
+// is being released any more: after a rebalance's releases, or every release of a shutdown.
+func (e *Elector) logReleased() {
+	if len(e.released) == 0 {
+		return
+	}
+	select {
+	case <-e.stopping:
+		if len(e.holders) > 0 {
+			return
+		}
+	default:
+		for _, h := range e.holders {
+			if h.releasing {
+				return
+			}
+		}
+	}
+	slices.Sort(e.released)
+	e.log.Info().Ints("partitions", e.released).Int("owned", len(e.holders)).Msg("partitions released")
+	e.released = e.released[:0]
+}
+
+// ms is d in whole milliseconds, rounded: the unit of every duration kvmapper logs (a field
+// named …_ms).
+func ms(d time.Duration) int64 { return d.Round(time.Millisecond).Milliseconds() }
 
 // settling returns until when this replica waits, at start, for the member set to settle before
 // it claims free partitions, or zero once it may claim. It waits until the member set has not
@@ -357,7 +480,7 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 		return until
 	}
 	st.done = true
-	e.log.Debug().Strs("members", members).Dur("after", now.Sub(st.start)).Msg("member set settled")
+	e.log.Debug().Strs("members", members).Int64("after_ms", ms(now.Sub(st.start))).Msg("member set settled")
 	return time.Time{}
 }
 
@@ -365,6 +488,9 @@ func (e *Elector) settling(now time.Time, members []string, slots []slot) time.T
 func (e *Elector) exited(x exit) {
 	delete(e.holders, x.p)
 	e.publishOwned()
+	if x.kind == exitReleased {
+		e.released = append(e.released, x.p)
+	}
 	switch x.kind {
 	case exitFailed:
 		e.failures[x.p]++
@@ -374,6 +500,7 @@ func (e *Elector) exited(x exit) {
 		delete(e.failures, x.p)
 		delete(e.cooldown, x.p)
 	}
+	e.logReleased()
 	e.kickLoop()
 }
 
@@ -413,7 +540,13 @@ func (e *Elector) heartbeat(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			cctx, cancel := context.WithTimeout(ctx, e.cfg.MemberTTL-e.cfg.RenewInterval)
+			timeout := e.cfg.MemberTTL - e.cfg.RenewInterval
+			if e.cfg.JudgedExpiry > 0 {
+				// The others judge this replica by its heartbeats: one stuck waiting for a dead
+				// leader's answer would leave it silent after an election.
+				timeout = e.cfg.RenewInterval
+			}
+			cctx, cancel := context.WithTimeout(ctx, timeout)
 			if err := e.putMember(cctx); err != nil && ctx.Err() == nil {
 				e.log.Debug().Err(err).Msg("member heartbeat failed")
 			}

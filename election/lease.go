@@ -170,6 +170,11 @@ func (h *holder) run(parent context.Context) exit {
 				}
 				h.delete()
 				return exit{p: l.Partition, kind: exitReleased}
+			case errors.Is(err, ErrLeaseLost):
+				// The work found itself fenced by a newer owner (its output refused it): the
+				// lease is that owner's now, and not this holder's to delete.
+				lose("work fenced by a newer owner", err)
+				return exit{p: l.Partition, kind: exitLost}
 			default:
 				cancel(ErrReleased)
 				log.Error().Err(err).Msg("work returned while owning the partition")
@@ -179,7 +184,7 @@ func (h *holder) run(parent context.Context) exit {
 		case <-deadline:
 			l.revoke()
 			cancel(ErrReleased)
-			log.Error().Dur("release_timeout", e.cfg.ReleaseTimeout).
+			log.Error().Int64("release_timeout_ms", ms(e.cfg.ReleaseTimeout)).
 				Msg("work did not return in time; abandoning it and leaving the lease to expire")
 			return exit{p: l.Partition, kind: exitAbandoned}
 		}
@@ -229,7 +234,14 @@ func (h *holder) renew() error {
 // of the TTL when that is longer. A long TTL leaves the time to wait for a server that answers
 // slowly (a replicated bucket under load, or just after electing its leader), instead of
 // sending renewal after renewal that the server refuses while the first is still in process.
+//
+// With JudgedExpiry it is one renew interval: the others take a lease over after JudgedExpiry of
+// writable time without a renewal, and after an election the first renewal must not wait out an
+// answer that a dead leader will never send.
 func renewalTimeout(cfg Config) time.Duration {
+	if cfg.JudgedExpiry > 0 {
+		return cfg.RenewInterval
+	}
 	return max(cfg.RenewInterval, cfg.LeaseTTL/5)
 }
 
@@ -315,6 +327,6 @@ func (h *holder) delete() {
 		e.log.Warn().Err(err).Int("partition", h.lease.Partition).Msg("deleting released lease failed; it will expire")
 		return
 	}
-	e.log.Info().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
+	e.log.Debug().Int("partition", h.lease.Partition).Uint64("epoch", h.lease.Epoch).
 		Str("old_owner", e.cfg.ReplicaID).Str("new_owner", "").Msg("partition released")
 }

@@ -17,15 +17,68 @@ type slot struct {
 	freeSince time.Time // when it was last seen unowned (monotonic); meaningful when owner == ""
 	seen      time.Time // when the watch last showed the key (owners renew it every RenewInterval)
 	lastOwner string    // the owner before it became unowned
+	// rev and stored are the revision and the stream's timestamp of the key's last write the
+	// watch showed: a takeover of a lease judged dead writes over rev (see [Config.JudgedExpiry]).
+	rev    uint64
+	stored time.Time
+}
+
+// heard is when the watch last showed a write: by this replica's clock when it arrived, and by
+// the stream's timestamp when it was stored.
+type heard struct {
+	seen, stored time.Time
+}
+
+// writable is the run of this replica's own control-bucket writes that the watch showed back to
+// it with no gap longer than [Elector.ownGap] between two of them, by either clock: the time in
+// which the bucket took writes and the watch delivered them (see [Config.JudgedExpiry]).
+type writable struct {
+	start, last heard // the first and the last write of the run; zero before any
+}
+
+// add extends the run with an own write heard at h, or starts a new one after a gap.
+func (w *writable) add(h heard, gap time.Duration) {
+	if w.last.seen.IsZero() || h.seen.Sub(w.last.seen) > gap || h.stored.Sub(w.last.stored) > gap {
+		w.start = h
+	}
+	w.last = h
+}
+
+// silentFor returns for how long of the run, by the clock that says less, a key last written at
+// h has not been written: from the later of h and the run's start to the run's last write.
+func (w *writable) silentFor(h heard) time.Duration {
+	if w.last.seen.IsZero() {
+		return 0
+	}
+	seen := w.last.seen.Sub(later(h.seen, w.start.seen))
+	stored := w.last.stored.Sub(later(h.stored, w.start.stored))
+	return min(seen, stored)
+}
+
+// judgeableAt returns when, by this replica's clock, a key last written at h could first be
+// judged silent for d, if this replica's writes go on being heard: zero before any own write.
+func (w *writable) judgeableAt(h heard, d time.Duration) time.Time {
+	if w.last.seen.IsZero() {
+		return time.Time{}
+	}
+	return later(h.seen, w.start.seen).Add(d)
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // view is the bucket's members and leases as the watch shows them. The watch goroutine writes
 // it; the Elector's loop reads copies.
 type view struct {
 	mu      sync.Mutex
-	ready   bool // the watch has delivered its initial values
-	members map[string]struct{}
+	ready   bool             // the watch has delivered its initial values
+	members map[string]heard // the live members, and when each last wrote its key
 	slots   []slot
+	own     writable // this replica's own writes, as the watch showed them
 }
 
 // reset forgets what a new watch replays from scratch. A partition stays free since when it
@@ -34,7 +87,9 @@ func (v *view) reset(partitions int, now time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.ready = false
-	v.members = make(map[string]struct{})
+	v.members = make(map[string]heard)
+	// A new watch replays the bucket: what it shows of this replica's writes is not a run.
+	v.own = writable{}
 	old := v.slots
 	v.slots = make([]slot, partitions)
 	for i := range v.slots {
@@ -51,16 +106,16 @@ func (v *view) reset(partitions int, now time.Time) {
 	}
 }
 
-// snapshot returns a copy of the view: whether it is ready, the sorted live members and the
-// lease slots.
-func (v *view) snapshot() (bool, map[string]struct{}, []slot) {
+// snapshot returns a copy of the view: whether it is ready, the live members with when each
+// last wrote its key, the lease slots and the run of this replica's own writes.
+func (v *view) snapshot() (bool, map[string]heard, []slot, writable) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	members := make(map[string]struct{}, len(v.members))
-	for m := range v.members {
-		members[m] = struct{}{}
+	members := make(map[string]heard, len(v.members))
+	for m, h := range v.members {
+		members[m] = h
 	}
-	return v.ready, members, append([]slot(nil), v.slots...)
+	return v.ready, members, append([]slot(nil), v.slots...), v.own
 }
 
 // watch keeps the view current until ctx is done, re-creating the watch when it ends (the
@@ -129,13 +184,21 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 	if !ok {
 		return
 	}
+	h := heard{seen: now, stored: ent.Created()}
 	if kind == wire.KindMember {
 		e.view.mu.Lock()
 		_, had := e.view.members[id]
 		if gone {
 			delete(e.view.members, id)
 		} else {
-			e.view.members[id] = struct{}{}
+			e.view.members[id] = h
+			if id == e.cfg.ReplicaID && e.view.ready {
+				e.view.own.add(h, e.ownGap())
+				if e.cfg.JudgedExpiry > 0 {
+					// More writable time: some silent owner may now be judged dead.
+					defer e.kickLoop()
+				}
+			}
 		}
 		e.view.mu.Unlock()
 		if had == gone {
@@ -153,6 +216,9 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 	}
 	e.view.mu.Lock()
 	ready := e.view.ready
+	if owner == e.cfg.ReplicaID && ready {
+		e.view.own.add(h, e.ownGap())
+	}
 	s := &e.view.slots[p]
 	old := *s
 	var ch Change
@@ -172,12 +238,13 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 		*s = slot{owner: owner, epoch: ent.Revision(), seen: now}
 		ch = Change{Partition: p, OldOwner: prev, NewOwner: owner, Epoch: ent.Revision(), Unowned: unowned, At: now}
 	}
+	s.rev, s.stored = ent.Revision(), h.stored
 	e.view.mu.Unlock()
 	if !changed {
 		return
 	}
 	e.log.Debug().Int("partition", p).Str("old_owner", ch.OldOwner).Str("new_owner", ch.NewOwner).
-		Uint64("epoch", ch.Epoch).Dur("unowned", ch.Unowned).Msg("ownership change observed")
+		Uint64("epoch", ch.Epoch).Int64("unowned_ms", ms(ch.Unowned)).Msg("ownership change observed")
 	// The initial replay shows the state, not changes.
 	if e.cfg.OnChange != nil && ready {
 		e.cfg.OnChange(ch)

@@ -397,8 +397,8 @@ func (e *clusterEnv) flows(n uint64) {
 	}
 }
 
-// count returns how many messages stream holds, 0 while it cannot say.
-func (e *clusterEnv) count(stream string) uint64 {
+// total returns how many messages stream holds, fence records included, 0 while it cannot say.
+func (e *clusterEnv) total(stream string) uint64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	s, err := e.admin.Stream(ctx, stream)
@@ -410,6 +410,26 @@ func (e *clusterEnv) count(stream string) uint64 {
 		return 0
 	}
 	return info.State.Msgs
+}
+
+// count returns how many messages stream holds, its partitions' fence records left out
+// (docs/design-fencing.md), 0 while it cannot say.
+func (e *clusterEnv) count(stream string) uint64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := e.admin.Stream(ctx, stream)
+	if err != nil {
+		return 0
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subjects.FenceFilter(stream)))
+	if err != nil {
+		return 0
+	}
+	n := info.State.Msgs
+	for _, k := range info.State.Subjects {
+		n -= k
+	}
+	return n
 }
 
 // read returns every message stream holds now, in order. A read that fails (the cluster may
@@ -430,6 +450,7 @@ func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
 	if n == 0 {
 		return nil, nil
 	}
+	records := int(e.total(stream)) - n
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cons, err := e.admin.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
@@ -437,13 +458,16 @@ func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
 		return nil, fmt.Errorf("reading %s: %w", stream, err)
 	}
 	out := make([]jetstream.Msg, 0, n)
-	for len(out) < n {
-		b, err := cons.Fetch(min(n-len(out), 10_000), jetstream.FetchMaxWait(5*time.Second))
+	for fetched := 0; len(out) < n; {
+		b, err := cons.Fetch(min(max(n+records-fetched, 1), 10_000), jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
 			return nil, fmt.Errorf("reading %s: %w", stream, err)
 		}
 		for m := range b.Messages() {
-			out = append(out, m)
+			fetched++
+			if !strings.HasPrefix(m.Subject(), subjects.FencePrefix+".") {
+				out = append(out, m)
+			}
 		}
 		if b.Error() != nil && !errors.Is(b.Error(), nats.ErrTimeout) {
 			return nil, fmt.Errorf("reading %s: %w", stream, b.Error())
@@ -457,6 +481,9 @@ type window struct {
 	name     string
 	from, to time.Time
 	maxGap   time.Duration // the largest gap allowed between consecutive OUTGOING messages; 0: none
+	// maxWait is the longest a message stored in the window may have waited between INCOMING and
+	// OUTGOING (the gap of its device); 0: no bound.
+	maxWait time.Duration
 	// elected, when set, is when the new leader of the stream whose leader was killed was seen:
 	// the end of the largest gap is when mapping resumed, and must come within maxResume of it.
 	elected   time.Time
@@ -620,6 +647,9 @@ func (e *clusterEnv) check(total int, windows []window) {
 		e.t.Log(line)
 		if w.maxGap > 0 && gap > w.maxGap {
 			e.t.Errorf("%s: a gap of %v between consecutive OUTGOING messages, want at most %v", w.name, gap, w.maxGap)
+		}
+		if w.maxWait > 0 && delay > w.maxWait {
+			e.t.Errorf("%s: a message waited %v between INCOMING and OUTGOING, want at most %v", w.name, delay, w.maxWait)
 		}
 	}
 }

@@ -314,12 +314,12 @@ func TestLeaseTTLFollowsTheControlBucket(t *testing.T) {
 	e := newEnv(t)
 	m := startProcess(t, "auto", "run", "--server", e.srv.URL(), "--replica-id", "auto", "--log-format", "json")
 	l := m.waitLog("lease TTL chosen", 30*time.Second)
-	if l["lease_ttl"] != float64(2000) || l["control_replicas"] != float64(1) {
+	if l["lease_ttl_ms"] != float64(2000) || l["control_replicas"] != float64(1) {
 		t.Errorf("logged %v, want lease_ttl 2000 (ms) for control_replicas 1", l)
 	}
 	m.stop()
 	m = startProcess(t, "set", "run", "--server", e.srv.URL(), "--replica-id", "set", "--log-format", "json", "--lease-ttl", "3s")
-	if l := m.waitLog("lease TTL as configured", 30*time.Second); l["lease_ttl"] != float64(3000) {
+	if l := m.waitLog("lease TTL as configured", 30*time.Second); l["lease_ttl_ms"] != float64(3000) {
 		t.Errorf("logged %v, want lease_ttl 3000 (ms)", l)
 	}
 	m.stop()

@@ -90,11 +90,11 @@ func keptByFirst(t *testing.T) string {
 	return ""
 }
 
-// TestGroupSwitchSurvivesHandoffToALaggingReplica checks I4 across a handoff: replica B takes a
+// TestGroupSwitchSurvivesHandoverToALaggingReplica checks I4 across a handover: replica B takes a
 // partition over while its groups watch has not applied the move replica A already mapped with,
 // and must map nothing of the moved device until it has; then everything lands in the new group,
 // in order, and nothing after the switch in the old one.
-func TestGroupSwitchSurvivesHandoffToALaggingReplica(t *testing.T) {
+func TestGroupSwitchSurvivesHandoverToALaggingReplica(t *testing.T) {
 	e := newEnv(t)
 	dev := keptByFirst(t)
 	p := subjects.Partition(dev, partitions)

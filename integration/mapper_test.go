@@ -312,20 +312,24 @@ func TestServerRestartMidStream(t *testing.T) {
 	ld := newLoad(t, e.js)
 	ld.publish(devs, 150)
 	backlog := ld.total()
-	w := e.tapWire()
 	// The mapper reaches the server through a proxy, so that the restart strikes with publishes
 	// in flight: a server shutting down gracefully answers everything it has read, and one
 	// restarted at a random moment often left the lanes nothing to resend (the test then proved
-	// nothing). Here, the moment the mapper has sent a thousand of the backlog, the proxy stops
-	// forwarding what it sends; once it has sent 64 KiB more, the server restarts, and what the
-	// proxy held is lost with the connection, as it is when a server dies with unread input.
+	// nothing). Here the proxy forwards the first thousand of the mapper's publishes to OUTGOING
+	// and holds every later one (the rest of what the mapper sends goes through); once it holds
+	// 500 more, the server restarts, and what the proxy held is lost with the connection, as it
+	// is when a server dies with unread input. The mapper cannot have finished before: the
+	// backlog is 15 times what gets through.
+	const through, lost = 1000, 500
 	px := newProxy(t, "127.0.0.1:"+strconv.Itoa(e.srv.Port()))
+	px.HoldAfter("outgoing.", through)
 	m := e.startMapper("m1", "--server", px.URL(), "--metrics-listen", "127.0.0.1:0")
 	metrics := m.metricsURL()
-	w.await(1000, 60*time.Second)
-	held := px.Hold(64<<10, 30*time.Second)
+	heldPubs, held := px.WaitHeld(lost, 60*time.Second)
+	if heldPubs < lost {
+		t.Fatalf("the proxy holds %d publishes to OUTGOING after the first %d, want %d: the mapper stopped sending", heldPubs, through, lost)
+	}
 	e.srv = e.srv.Restart()
-	atRestart := w.count()
 	natstest.Eventually(t, 10*time.Second, func() error {
 		if !e.nc.IsConnected() {
 			return fmt.Errorf("test client not reconnected")
@@ -342,9 +346,9 @@ func TestServerRestartMidStream(t *testing.T) {
 	// the check above found every message once and in order.
 	failures := metric(t, metrics, "kvmapper_publish_failures_total")[""]
 	retries := metric(t, metrics, "kvmapper_publish_retries_total")[""]
-	t.Logf("restart after %d of the %d-message backlog had been sent and %d bytes more lost with the connection: %v publish failures, %v messages resent", atRestart, backlog, held, failures, retries)
-	if held < 64<<10 || failures == 0 {
-		t.Errorf("%d bytes lost with the connection, kvmapper_publish_failures_total = %v, want 64 KiB and > 0: the restart hit no publish in flight, so this test proved nothing", held, failures)
+	t.Logf("restart after %d of the %d-message backlog had been sent and %d publishes (%d bytes) more lost with the connection: %v publish failures, %v messages resent", through, backlog, heldPubs, held, failures, retries)
+	if failures == 0 {
+		t.Errorf("%d publishes lost with the connection, kvmapper_publish_failures_total = %v, want > 0: the mapper did not see what it lost", heldPubs, failures)
 	}
 	m.stop()
 }

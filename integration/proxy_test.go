@@ -1,30 +1,36 @@
 package integration
 
 import (
+	"bytes"
 	"io"
 	"net"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
 )
 
 // proxy sits between kvmapper processes and the test's server on loopback, so that a test can
-// make a server's death strike while publishes are in flight: Hold stops forwarding what the
-// clients of the connections open then send (the proxy keeps reading it, so the clients go on
-// writing; connections made later are forwarded as usual), and the server's death, or Cut,
-// closes them and throws away what was held. Those publishes reached no server, and their
-// acknowledgements never come: exactly what a server dying with unread input loses. An embedded
+// make a server's death strike while publishes are in flight: HoldAfter lets a given number of
+// publishes to some subjects through and then stops forwarding the publishes to them that the
+// clients connected at that moment send, everything else still going through (connections made
+// later are forwarded as usual), and the server's death, or Cut, closes them and throws away
+// what was held. Those publishes reached no server, and their acknowledgements never come:
+// what a server dying with unread input loses, held as long as the test needs. An embedded
 // server shutting down gracefully, by contrast, answers everything it has read first.
 type proxy struct {
 	t      *testing.T
 	ln     net.Listener
 	target string
 
-	mu      sync.Mutex
-	cond    *sync.Cond
-	held    int               // bytes read from held clients and not forwarded since Hold
-	holding map[net.Conn]bool // the client connections whose input is held
-	conns   map[net.Conn]bool // every connection, both sides
+	mu       sync.Mutex
+	cond     *sync.Cond
+	prefix   []byte            // the subjects HoldAfter counts
+	after    int               // armed when > 0: how many more publishes to prefix to forward
+	held     int               // bytes read from held clients and not forwarded
+	heldPubs int               // publishes to prefix among them
+	holding  map[net.Conn]bool // the client connections whose input is held
+	conns    map[net.Conn]bool // every connection, both sides
 }
 
 // newProxy listens on a loopback port and forwards every connection to target (host:port).
@@ -72,21 +78,39 @@ func (p *proxy) accept() {
 	}
 }
 
-// forward copies from client c to server s, holding back what it reads while the proxy holds.
+// forward copies from client c to server s, holding back its publishes to p.prefix once the
+// proxy holds c.
 func (p *proxy) forward(s, c net.Conn) {
 	buf := make([]byte, 32<<10)
+	var sc pubScan
+	var out []byte
 	for {
 		n, err := c.Read(buf)
 		if n > 0 {
+			out = out[:0]
 			p.mu.Lock()
-			held := p.holding[c]
-			if held {
-				p.held += n
-				p.cond.Broadcast()
-			}
+			sc.prefix = p.prefix
+			sc.feed(buf[:n], func(seg []byte, pub, end bool) {
+				if pub && p.holding[c] {
+					p.held += len(seg)
+					if end {
+						p.heldPubs++
+						p.cond.Broadcast()
+					}
+					return
+				}
+				out = append(out, seg...)
+				if pub && end && p.after > 0 {
+					if p.after--; p.after == 0 {
+						for x := range p.conns {
+							p.holding[x] = true
+						}
+					}
+				}
+			})
 			p.mu.Unlock()
-			if !held {
-				if _, werr := s.Write(buf[:n]); werr != nil {
+			if len(out) > 0 {
+				if _, werr := s.Write(out); werr != nil {
 					return
 				}
 			}
@@ -107,17 +131,20 @@ func (p *proxy) close(conns ...net.Conn) {
 	}
 }
 
-// Hold stops forwarding what the clients connected now send, and waits until they have sent at
-// least bytes since, or timeout passed: publishes in flight that no server will see. It returns
-// the bytes held.
-func (p *proxy) Hold(bytes int, timeout time.Duration) int {
+// HoldAfter forwards the next n publishes to subjects that start with prefix, from any client,
+// and holds every later one the clients connected then send.
+func (p *proxy) HoldAfter(prefix string, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	clear(p.holding)
-	p.held = 0
-	for c := range p.conns {
-		p.holding[c] = true // server sides too: they are never read by forward
-	}
+	p.prefix, p.after, p.held, p.heldPubs = []byte(prefix), n, 0, 0
+}
+
+// WaitHeld waits until the proxy holds at least n publishes to HoldAfter's subjects, or timeout
+// passed, and returns how many publishes and bytes it holds.
+func (p *proxy) WaitHeld(n int, timeout time.Duration) (pubs, bytes int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	t := time.AfterFunc(timeout, func() {
 		p.mu.Lock()
 		defer p.mu.Unlock()
@@ -125,13 +152,13 @@ func (p *proxy) Hold(bytes int, timeout time.Duration) int {
 	})
 	defer t.Stop()
 	deadline := time.Now().Add(timeout)
-	for p.held < bytes && time.Now().Before(deadline) {
+	for p.heldPubs < n && time.Now().Before(deadline) {
 		p.cond.Wait()
 	}
-	return p.held
+	return p.heldPubs, p.held
 }
 
-// Cut closes every connection through the proxy, losing what Hold held.
+// Cut closes every connection through the proxy, losing what was held.
 func (p *proxy) Cut() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -140,4 +167,48 @@ func (p *proxy) Cut() {
 	}
 	clear(p.conns)
 	clear(p.holding)
+}
+
+// pubScan follows the NATS client protocol a client writes, across reads, command by command.
+type pubScan struct {
+	prefix []byte // the subjects whose publishes feed tells apart
+	line   []byte // a protocol line not complete yet
+	left   int    // payload bytes (with their CRLF) of the current command still to come
+	pub    bool   // the current command is a publish to prefix
+}
+
+// feed walks b and hands each part of it to emit, in order: a complete protocol line, or a
+// part of a payload; pub says the part belongs to a publish (PUB or HPUB) to a subject that
+// starts with prefix, end that it completes its command.
+func (sc *pubScan) feed(b []byte, emit func(seg []byte, pub, end bool)) {
+	for len(b) > 0 {
+		if sc.left > 0 {
+			k := min(sc.left, len(b))
+			sc.left -= k
+			emit(b[:k], sc.pub, sc.left == 0)
+			b = b[k:]
+			continue
+		}
+		j := bytes.IndexByte(b, '\n')
+		if j < 0 {
+			sc.line = append(sc.line, b...)
+			return
+		}
+		line := append(sc.line, b[:j+1]...)
+		sc.line = nil
+		b = b[j+1:]
+		sc.pub = false
+		// PUB <subject> [reply] <size> and HPUB <subject> [reply] <header size> <total size>:
+		// the last field is what follows the line, before its CRLF.
+		if f := bytes.Fields(line); len(f) >= 3 {
+			switch string(bytes.ToUpper(f[0])) {
+			case "PUB", "HPUB":
+				if size, err := strconv.Atoi(string(f[len(f)-1])); err == nil {
+					sc.left = size + 2
+					sc.pub = len(sc.prefix) > 0 && bytes.HasPrefix(f[1], sc.prefix)
+				}
+			}
+		}
+		emit(line, sc.pub, sc.left == 0)
+	}
 }

@@ -555,7 +555,7 @@ func TestJoinLeaveAndRollingRestartSendNothingTwice(t *testing.T) {
 		dups += d
 	}
 	if dups != 0 {
-		t.Errorf("%v publishes were acknowledged as duplicates across graceful handoffs, want 0: something was sent twice", dups)
+		t.Errorf("%v publishes were acknowledged as duplicates across graceful handovers, want 0: something was sent twice", dups)
 	}
 	if int(mapped) != load.total() {
 		t.Errorf("replicas mapped %v messages in all, want exactly the %d sent", mapped, load.total())

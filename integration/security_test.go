@@ -46,9 +46,14 @@ var (
 			"$JS.API.DIRECT.GET.KV_kvmapper.>", "$KV.kvmapper.>", "$JS.API.STREAM.MSG.GET.KV_kvmapper",
 			// the work, and the ownership events (--events-subject)
 			"outgoing.>", "unmapped.>", "kvmapper.events.ownership",
+			// on a cluster: a partition's fence records in the output streams, written by
+			// compare-and-set on the last one, read from each stream's leader
+			"kvmapper.fence.>", "$JS.API.STREAM.MSG.GET.OUTGOING", "$JS.API.STREAM.MSG.GET.UNMAPPED",
 		},
 		Subscribe: []string{
 			"_INBOX.>", // replies and consumer deliveries (--inbox-prefix names another)
+			// the output streams' new leaders, announced: what the old one dropped is resent at once
+			"$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.*",
 			// the status micro service: kvmapper status and nats micro ls|info|stats
 			"kvmapper.status.kvmapper.*", "$SRV.*", "$SRV.*.kvmapper", "$SRV.*.kvmapper.*",
 		},

@@ -54,13 +54,13 @@ func (t *Table) CatchUp(ctx context.Context) error {
 		// select closes the channel we wait on.
 		wake := t.waitChan()
 		if t.reached(last, created) {
-			t.log.Debug().Uint64("awaited", last).Dur("waited", time.Since(start)).Msg("groups table caught up")
+			t.log.Debug().Uint64("awaited", last).Int64("waited_ms", time.Since(start).Round(time.Millisecond).Milliseconds()).Msg("groups table caught up")
 			return nil
 		}
 		select {
 		case <-wake:
 		case <-slow.C:
-			t.log.Warn().Uint64("awaited", last).Uint64("revision", t.Revision()).Dur("waited", time.Since(start)).
+			t.log.Warn().Uint64("awaited", last).Uint64("revision", t.Revision()).Int64("waited_ms", time.Since(start).Round(time.Millisecond).Milliseconds()).
 				Msg("groups table has not caught up with the bucket; the caller keeps waiting")
 		case <-ctx.Done():
 			return fmt.Errorf("kv: catching up with groups revision %d (table at %d): %w",
@@ -94,7 +94,7 @@ func (t *Table) lastSeq(ctx context.Context) (uint64, time.Time, error) {
 		if ctx.Err() != nil {
 			return 0, time.Time{}, fmt.Errorf("kv: reading groups bucket status: %w", context.Cause(ctx))
 		}
-		t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Dur("retry_in", backoff).
+		t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Int64("retry_in_ms", backoff.Round(time.Millisecond).Milliseconds()).
 			Msg("cannot read groups bucket status to catch up; retrying")
 		timer := time.NewTimer(backoff)
 		select {

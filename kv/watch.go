@@ -59,12 +59,12 @@ func (t *Table) Run(ctx context.Context) error {
 		case isNotFound(err):
 			t.log.Error().Err(err).Str("bucket", t.bucket.Bucket()).Int("devices", t.Len()).
 				Str("fix", "create the bucket: nats kv add "+t.bucket.Bucket()+" (or kvmapper setup)").
-				Dur("retry_in", backoff).Msg("groups bucket not found; serving the last table")
+				Int64("retry_in_ms", backoff.Round(time.Millisecond).Milliseconds()).Msg("groups bucket not found; serving the last table")
 		case errors.Is(err, errWatchStopped), errors.Is(err, errWatchStalled), errors.Is(err, errBucketRecreated):
-			t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Dur("retry_in", backoff).
+			t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Int64("retry_in_ms", backoff.Round(time.Millisecond).Milliseconds()).
 				Msg("groups watcher lost; re-watching")
 		default:
-			t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Dur("retry_in", backoff).
+			t.log.Warn().Err(err).Str("bucket", t.bucket.Bucket()).Int64("retry_in_ms", backoff.Round(time.Millisecond).Milliseconds()).
 				Msg("cannot watch groups bucket; retrying")
 		}
 		timer := time.NewTimer(backoff)

@@ -74,7 +74,7 @@ type laneStats struct {
 type delivery struct {
 	msg  jetstream.Msg
 	seq  uint64
-	size int64 // subject, reply, headers and payload: what it holds of the hand-off's bytes
+	size int64 // subject, reply, headers and payload: what it holds of the feed's bytes
 }
 
 // lane is the pipeline of one partition. Everything but the reader runs on one goroutine, which
@@ -115,9 +115,16 @@ type lane struct {
 	// and watchIncarnation send at most one between them, and nobody closes it.
 	readErr chan error
 
-	handoff handoff // bounds the bytes the reader has handed on and the lane not yet taken
+	feed feed // bounds the bytes the reader has handed on and the lane not yet taken
 
 	park *parking // its parked devices (see park.go); nil when parking is off
+
+	// deletes are the deletions of the consumers the reader is done with, in the background.
+	deletes sync.WaitGroup
+
+	// fences are the lane's fences in its output streams, by stream name, written before the
+	// lane started publishing (see outfence.go); nil when none is fenced.
+	fences map[string]OutputFence
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
@@ -153,6 +160,14 @@ func newLane(p *Pool, a Assignment) *lane {
 func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 
 func (l *lane) run(ctx context.Context) error {
+	// The outputs first: once a stream holds this lane's record, an earlier owner can store
+	// nothing more there, so the checkpoint it may still write covers only what it stored.
+	if err := l.fenceOutputs(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil // released before it started
+		}
+		return err
+	}
 	start, err := l.fence(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -165,7 +180,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer l.cpWG.Wait()
 	l.ro.takeover = maxWindow
 	l.grant.wake = make(chan struct{}, 1)
-	l.handoff.room = make(chan struct{}, 1)
+	l.feed.room = make(chan struct{}, 1)
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
@@ -187,7 +202,7 @@ func (l *lane) run(ctx context.Context) error {
 
 	l.readErr = make(chan error, 1)
 	readCtx, stopReading := context.WithCancel(ctx)
-	in := make(chan delivery, handoffLen)
+	in := make(chan delivery, feedLen)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -198,6 +213,7 @@ func (l *lane) run(ctx context.Context) error {
 	defer func() {
 		stopReading()
 		wg.Wait()
+		l.deletes.Wait()
 	}()
 
 	tick := time.NewTicker(l.p.cfg.CheckpointInterval)
@@ -280,7 +296,7 @@ func (l *lane) run(ctx context.Context) error {
 
 // burst is how many deliveries, or acknowledgements, the lane handles in one round of its loop
 // when they are there already: a round costs a select over every channel the lane waits on.
-const burst = handoffLen
+const burst = feedLen
 
 // take publishes d and then, while there is room and nothing failed, the deliveries already
 // waiting in in, up to burst in all. A delivery there is no room for is held. When nothing more
@@ -293,7 +309,7 @@ func (l *lane) take(d delivery, in <-chan delivery) {
 		}
 	}()
 	for n := 1; ; n++ {
-		l.handoff.taken(d.size)
+		l.feed.taken(d.size)
 		if e := l.prepare(d); !l.admit(e) {
 			l.held = e
 			return

@@ -113,12 +113,9 @@ type drainEntry struct {
 func (l *lane) startDrain(ctx context.Context, dev *parkedDevice, mode drainMode) {
 	s := l.park
 	s.nextID++
-	outs := l.p.outputs(ctx)
-	d := &drain{id: s.nextID, dev: dev, mode: mode, purgedAt: time.Now(),
-		w: l.in.NewWriter(outs[:outParked], l.p.writerConfig())}
 	// A drain cut short (its owner killed) resends what was stored and not purged: counted as
-	// the duplicates they are, one at a time until the first new store.
-	d.w.Probe()
+	// the duplicates they are, one at a time until the first new store (newWriter).
+	d := &drain{id: s.nextID, dev: dev, mode: mode, purgedAt: time.Now(), w: l.newWriter(ctx, outParked)}
 	dev.drain = d
 	s.drains[d.id] = d
 	l.log.Debug().Str("device", dev.name).Uint8("mode", uint8(mode)).Msg("draining a parked device")

@@ -30,6 +30,8 @@ type Assignment struct {
 	// Valid reports whether the lease still holds by the owner's own clock. The lane checks it
 	// before every publish and stops when it turns false. nil means the lease never runs out.
 	Valid func() bool
+	// Owner is the replica id that holds the lease, written in the lane's fence records.
+	Owner string
 }
 
 // Config tunes a [Pool]. Zero fields mean the defaults given.
@@ -45,7 +47,9 @@ type Config struct {
 	// partition's stream, INCOMING-<p>, unfiltered.
 	StreamLayout subjects.StreamLayout
 	// Outgoing and Unmapped name the output streams (defaults "OUTGOING", "UNMAPPED"): the
-	// lanes read their configurations to choose how to write them (see Singles).
+	// lanes read their configurations to choose how to write them (see Singles), and follow
+	// their leader changes (leaders.go): a publish a stepping-down leader dropped is resent at
+	// once, not after StallTimeout.
 	Outgoing, Unmapped string
 	// Singles writes every output stream with single publishes, as kvmapper did before it wrote
 	// in batches. By default a replicated stream that allows atomic batches is written in atomic
@@ -105,6 +109,10 @@ type Config struct {
 	// deleted and created again even when nothing is delivered from it (one request per pool
 	// per interval). Default 2s.
 	IncarnationCheck time.Duration
+	// Fences are the output streams in which a lane writes its partition's fence record
+	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
+	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
+	Fences []string
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Park holds devices without a mapping in the PARKED stream until they get one (see
@@ -233,8 +241,13 @@ type Pool struct {
 	lanesMu sync.Mutex
 	lanes   map[*lane]struct{}
 
-	incMu sync.Mutex // serialises the reads of the incarnations; guards incs
-	incs  map[string]incarnation
+	incMu   sync.Mutex // serialises the reads of the incarnations; guards incs and control
+	incs    map[string]incarnation
+	control string // the control bucket's incarnation, once read (see outfence.go)
+
+	leaders leaders // when each stream's latest leader was announced (see leaders.go)
+	stopMu  sync.Mutex
+	stops   map[string]time.Time // servers that said they are shutting down, and when
 
 	warns ratelog.Limiter // one line a second per kind of problem
 }
@@ -317,6 +330,7 @@ func (p *Pool) Partitions() []PartitionStats {
 }
 
 func (p *Pool) register(l *lane) {
+	p.leaders.start(p.nc)
 	p.window.register()
 	p.lanesMu.Lock()
 	p.lanes[l] = struct{}{}
@@ -328,6 +342,7 @@ func (p *Pool) unregister(l *lane) {
 	delete(p.lanes, l)
 	p.lanesMu.Unlock()
 	p.window.unregister(&l.grant)
+	p.leaders.stop()
 }
 
 // DrainTimeout returns how long a stopping lane may wait for its in-flight publishes.

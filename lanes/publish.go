@@ -140,6 +140,8 @@ func (p *Pool) writerConfig() ordered.Config {
 		MaxRetryBackoff: p.cfg.MaxRetryBackoff,
 		OnFallback:      p.fellBack,
 		OnFail:          func() { p.failures.Add(1) },
+		Elected:         p.leaders.elected,
+		LeaderGrace:     leaderGrace,
 	}
 }
 
@@ -152,11 +154,25 @@ func (l *lane) startWriter(ctx context.Context) (func(), error) {
 		return nil, fmt.Errorf("lanes: %w", err)
 	}
 	l.in = in
-	l.w = in.NewWriter(l.p.outputs(ctx), l.p.writerConfig())
-	// A previous owner may have stored what this lane sends first: those are counted as the
-	// duplicates they are, one at a time, until the first new store.
-	l.w.Probe()
+	l.w = l.newWriter(ctx, 3)
 	return in.Close, nil
+}
+
+// newWriter makes a writer of the lane's first n output streams (OUTGOING, UNMAPPED, PARKED),
+// answered on the lane's inbox, carrying the lane's fences where they were written (an atomic
+// stream checks each batch against it: a later owner's record refuses it). A previous owner may
+// have stored what it sends first: those are counted as the duplicates they are, one at a time,
+// until the first new store.
+func (l *lane) newWriter(ctx context.Context, n int) *ordered.Writer {
+	outs := l.p.outputs(ctx)[:n]
+	w := l.in.NewWriter(outs, l.p.writerConfig())
+	for i, o := range outs {
+		if f, ok := l.fences[o.Name]; ok {
+			w.SetFence(i, f.Subject, f.Seq)
+		}
+	}
+	w.Probe()
+	return w
 }
 
 // hooks are the lane's say in its writer's rounds of resends.
@@ -191,7 +207,7 @@ func (l *lane) hooks(ctx context.Context) ordered.Hooks {
 				l.ro.until = max(l.ro.until, l.q[len(l.q)-1].seq)
 			}
 			l.p.warn("publish", func(ev *zerolog.Event) {
-				ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", unsettled).Dur("retry_in", pause).
+				ev.Int("partition", l.a.Partition).Err(first).Int("in_flight", unsettled).Int64("retry_in_ms", pause.Round(time.Millisecond).Milliseconds()).
 					Msg("publish failed; resending in order (on a cluster this is expected for a few seconds while a stream elects its leader; if it persists, check that the OUTGOING and UNMAPPED streams exist and the servers are reachable)")
 			})
 		},

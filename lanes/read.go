@@ -32,6 +32,13 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		from := next
 		err := l.consume(ctx, &next, out, create)
 		switch {
+		case errors.Is(err, jetstream.ErrServerShutdown), errors.Is(err, errOnStoppingServer):
+			// The consumer's server is stopping. The next consumer may be placed on it again (the
+			// meta leader learns of the stop a moment later), and its creation then goes
+			// unanswered: give up on it soon.
+			create, timeouts = shutdownCreateTimeout, 0
+		case errors.Is(err, errCreateTimedOut) && create == shutdownCreateTimeout:
+			create, timeouts = consumerCreateTimeout, 0
 		case errors.Is(err, errCreateTimedOut):
 			// One lost creation is a dead server's; more in a row, a cluster slow to answer,
 			// which is not to be asked ever faster: from the second on, each waits twice as
@@ -88,10 +95,19 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
 // answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by
 // default, retries the same name for ever.)
+//
+// After a consumer's server said it is shutting down (409 Server Shutdown, which nats-server
+// sends the pending pull requests of its one-replica consumers before it stops), the next
+// creation waits shutdownCreateTimeout only: the meta leader may place the new consumer on the
+// stopping server before it learns of the stop, and that creation is never answered.
 const (
 	consumerCreateTimeout    = 2 * time.Second
 	maxConsumerCreateTimeout = 10 * time.Second
+	shutdownCreateTimeout    = 300 * time.Millisecond
 )
+
+// errOnStoppingServer reports a consumer created on a server that has said it is shutting down.
+var errOnStoppingServer = errors.New("lanes: the consumer was placed on a server that is shutting down")
 
 // errCreateTimedOut reports a consumer creation that got no answer in time.
 var errCreateTimedOut = errors.New("lanes: no answer to the creation of a consumer")
@@ -112,16 +128,16 @@ const consumerInactive = time.Minute
 // messages to out, in order, until ctx is done (it returns nil) or the consumer fails (it
 // returns why; read then creates the next from *next). It deletes the consumer before it
 // returns. One at a time: the next consumer is created only once this one's callback can hand
-// nothing on any more, so two consumers' messages never race for the hand-off. (nats.go's
+// nothing on any more, so two consumers' messages never race for the feed. (nats.go's
 // ordered consumer recreates itself while a callback of the consumer it replaces may still be
-// waiting for the hand-off, and a later message of the new one can then overtake it.) Every
+// waiting for the feed, and a later message of the new one can then overtake it.) Every
 // consumer has a name of its own: on a cluster, a consumer created within seconds of a server's
 // crash can be placed on that server (see [consumerCreateTimeout]), and a create under a name
 // placed there waits for an answer that never comes; the creation gives up after
 // createTimeout.
 //
 // The messages come to a Consume callback on the subscription's own goroutine, which blocks
-// while the hand-off is full: the consumer then sends no new pull request (nats.go asks again
+// while the feed is full: the consumer then sends no new pull request (nats.go asks again
 // only once the callback has returned for every message of the last one), so it holds at most
 // one request's worth, PullBatch messages and pullBytes bytes. A callback costs one allocation
 // per message where the iterator's Next cost five (its options, a heartbeat monitor, its timer
@@ -143,13 +159,23 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	cons, err := l.p.js.CreateConsumer(cctx, l.stream, cfg)
 	timedOut := cctx.Err() != nil && ctx.Err() == nil
 	cancel()
-	// Also when the create timed out: it may have been applied after all.
-	defer l.deleteConsumer(cfg.Name)
+	// Also when the create timed out: it may have been applied after all. In the background:
+	// the delete of a consumer whose server has just stopped waits seconds for an answer, and
+	// the next consumer must not wait for it.
+	defer l.deletes.Go(func() { l.deleteConsumer(cfg.Name) })
 	if err != nil && timedOut {
 		return fmt.Errorf("%w on %s within %v: %w", errCreateTimedOut, l.stream, createTimeout, err)
 	}
 	if err != nil {
 		return fmt.Errorf("creating a consumer on %s: %w", l.stream, err)
+	}
+	var host string
+	if ci := cons.CachedInfo(); ci != nil && ci.Cluster != nil {
+		host = ci.Cluster.Leader
+	}
+	if l.p.stopping(host) {
+		// Placed on a server that has said it is shutting down: it would vanish without a word.
+		return fmt.Errorf("%w: %s", errOnStoppingServer, host)
 	}
 	r := &reader{l: l, next: next, out: out, failed: make(chan error, 1)}
 	r.ctx, r.cancel = context.WithCancel(ctx)
@@ -167,6 +193,9 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	case <-ctx.Done():
 	case why = <-r.failed:
 	}
+	if errors.Is(why, jetstream.ErrServerShutdown) {
+		l.p.stopped(host)
+	}
 	r.finish()
 	cc.Stop()
 	return why
@@ -180,11 +209,11 @@ func (l *lane) deleteConsumer(name string) {
 	_ = l.p.js.DeleteConsumer(ctx, l.stream, name)
 }
 
-// reader is one consumer's callback state. The mutex, held through the hand-off, orders the
+// reader is one consumer's callback state. The mutex, held through the feed, orders the
 // callback against finish: after finish returns, no call hands anything on.
 type reader struct {
 	l      *lane
-	ctx    context.Context // ends with finish: a call waiting for the hand-off gives up
+	ctx    context.Context // ends with finish: a call waiting for the feed gives up
 	cancel context.CancelFunc
 	failed chan error // capacity 1: why the consumer failed, the first reason only
 
@@ -248,7 +277,7 @@ func (r *reader) handle(m jetstream.Msg) {
 		}
 	}
 	d := delivery{msg: m, seq: ack.StreamSeq, size: int64(len(m.Subject()) + len(m.Reply()) + headerSize(m.Headers()) + len(m.Data()))}
-	if !l.handoff.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
+	if !l.feed.wait(r.ctx, d.size, int64(l.p.pullBytes)) {
 		return
 	}
 	select {
@@ -257,14 +286,28 @@ func (r *reader) handle(m jetstream.Msg) {
 		*r.next = ack.StreamSeq + 1
 		l.stats.pending.Store(ack.Pending)
 	case <-r.ctx.Done():
-		l.handoff.taken(d.size) // not handed on after all
+		l.feed.taken(d.size) // not handed on after all
 	}
 }
 
 // checkIncarnation returns [ErrIncomingRecreated] when the lane's stream is no longer the one the
 // lane fenced its checkpoint in.
+//
+// It asks the stream's leader, which a server stopping gracefully has just handed over: a request
+// on its way to the old one is never answered, so each attempt waits incarnationAttempt, and a
+// timed-out one is made again while ctx lasts, up to incarnationAttempts times.
 func (l *lane) checkIncarnation(ctx context.Context) error {
-	inc, _, err := l.p.incoming(ctx, l.stream)
+	var inc string
+	var err error
+	for range incarnationAttempts {
+		actx, cancel := context.WithTimeout(ctx, incarnationAttempt)
+		inc, _, err = l.p.incoming(actx, l.stream)
+		timedOut := actx.Err() != nil && ctx.Err() == nil
+		cancel()
+		if err == nil || !timedOut {
+			break
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -274,27 +317,35 @@ func (l *lane) checkIncarnation(ctx context.Context) error {
 	return nil
 }
 
-// handoffLen is how many consumed messages the reader may hand on before the lane takes them.
-const handoffLen = 64
+// incarnationAttempt bounds one read of the stream's incarnation by a new consumer's first
+// delivery, and incarnationAttempts how many are made before the consumer is given up.
+const (
+	incarnationAttempt  = 500 * time.Millisecond
+	incarnationAttempts = 10
+)
 
-// handoff bounds the bytes of the messages the reader has handed to the lane and the lane has
-// not taken yet (up to handoffLen of them wait in a channel). The first always passes, whatever
-// its size.
-type handoff struct {
+// feedLen is how many consumed messages the reader may hand on before the lane takes them.
+const feedLen = 64
+
+// feed bounds the bytes of the messages the reader has handed to the lane and the lane has
+// not taken yet (up to feedLen of them wait in a channel): the reader→lane feed, not to be taken
+// for a partition's handover between owners (package election) or direct mode's handoff. The
+// first message always passes, whatever its size.
+type feed struct {
 	bytes atomic.Int64
 	room  chan struct{} // capacity 1: the lane took a message since the reader last looked
 }
 
 // wait waits until a message of size bytes fits under limit, and counts it. It returns false if
 // ctx ended first. Only the reader calls it.
-func (h *handoff) wait(ctx context.Context, size, limit int64) bool {
+func (f *feed) wait(ctx context.Context, size, limit int64) bool {
 	for {
-		if n := h.bytes.Load(); n == 0 || n+size <= limit {
-			h.bytes.Add(size)
+		if n := f.bytes.Load(); n == 0 || n+size <= limit {
+			f.bytes.Add(size)
 			return true
 		}
 		select {
-		case <-h.room:
+		case <-f.room:
 		case <-ctx.Done():
 			return false
 		}
@@ -302,10 +353,10 @@ func (h *handoff) wait(ctx context.Context, size, limit int64) bool {
 }
 
 // taken tells the reader that the lane took a message of size bytes.
-func (h *handoff) taken(size int64) {
-	h.bytes.Add(-size)
+func (f *feed) taken(size int64) {
+	f.bytes.Add(-size)
 	select {
-	case h.room <- struct{}{}:
+	case f.room <- struct{}{}:
 	default:
 	}
 }

@@ -2,10 +2,13 @@ package mapper
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -113,15 +116,48 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	switch {
 	case ttl == 0:
 		ttl = election.LeaseTTLFor(replicas)
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).
 			Msg("lease TTL chosen for the control bucket's replicas (--lease-ttl sets it): a replica killed outright has its partitions taken over after about this")
 	case replicas > 1 && ttl < election.ReplicatedLeaseTTL:
-		log.Warn().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Dur("recommended", election.ReplicatedLeaseTTL).
+		log.Warn().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Int64("recommended_ms", election.ReplicatedLeaseTTL.Milliseconds()).
 			Msg("lease TTL below the election time of a replicated control bucket: the death of the NATS server leading it expires every lease, and every partition stops and moves")
 	default:
-		log.Info().Dur("lease_ttl", ttl).Int("control_replicas", replicas).Msg("lease TTL as configured")
+		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Msg("lease TTL as configured")
 	}
 	return ttl, nil
+}
+
+// DefaultJudgedExpiry is how long of writable time an owner may stay silent on a replicated
+// control bucket before the others take its partitions over, when every output stream is fenced
+// and the lanes check the fence on every write (election.Config.JudgedExpiry).
+const DefaultJudgedExpiry = 2 * time.Second
+
+// judgedExpiry returns the judged expiry to run with: the configured one, or
+// [DefaultJudgedExpiry] when it is safe and worth it — a replicated control bucket, whose 15 s
+// lease TTL a takeover would otherwise wait for, and writes that the output streams fence
+// (setup recorded the fences, and the lanes check them on every write) — else 0 (off). A judged
+// expiry asked for where the writes are not fenced is refused: it would let a deposed owner
+// write beside its successor.
+func judgedExpiry(ctx context.Context, control jetstream.KeyValue, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
+	lp, ok := pool.(*lanes.Pool)
+	checked := ok && lp.WritesChecked(ctx)
+	if ecfg.JudgedExpiry != 0 {
+		if !checked {
+			return 0, fmt.Errorf("%w: a judged expiry needs output streams that refuse a deposed owner: stream mode, fences recorded by setup on a cluster, and a writer that checks them", ErrInvalidConfig)
+		}
+		return ecfg.JudgedExpiry, nil
+	}
+	st, err := control.Status(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
+	}
+	bs, _ := st.(*jetstream.KeyValueBucketStatus)
+	if bs == nil || bs.StreamInfo().Config.Replicas < 2 || !checked {
+		return 0, nil
+	}
+	log.Info().Dur("judged_expiry", DefaultJudgedExpiry).
+		Msg("output streams fenced: a replica silent for this long while the control bucket takes writes has its partitions taken over")
+	return DefaultJudgedExpiry, nil
 }
 
 // New runs setup (creating or verifying the streams and buckets), opens the buckets and builds
@@ -141,7 +177,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, fmt.Errorf("%w: Setup.StreamLayout is auto: resolve it with setup.ChooseLayout first", ErrInvalidConfig)
 	}
 	if cfg.Lanes.Park.New && cfg.Setup.Park == nil {
-		cfg.Setup.Park = &setup.ParkConfig{}
+		cfg.Setup.Park = &setup.ParkedStream{}
 	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	lines, err := setup.Ensure(sctx, js, cfg.Setup)
@@ -218,6 +254,10 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
 		lcfg.Outgoing, lcfg.Unmapped = names.Outgoing, names.Unmapped
+		// The output streams setup fenced: each lane writes its record there on takeover.
+		if lcfg.Fences, err = setup.ReadFences(ctx, control); err != nil {
+			return nil, err
+		}
 		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 			return nil, err
 		}
@@ -235,6 +275,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if ecfg.LeaseTTL, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
 		return nil, err
 	}
+	if ecfg.JudgedExpiry, err = judgedExpiry(ctx, control, ecfg, pool, log); err != nil {
+		return nil, err
+	}
 	r.leaseTTL = ecfg.LeaseTTL
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = cfg.Lanes.Layout.Partitions
@@ -244,7 +287,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	} else {
 		ecfg.OnChange = r.observeChange
 	}
-	elector, err := election.New(cjs, control, func(ctx context.Context, l *election.Lease) error {
+	elector, err := election.New(cjs, control, func(ctx context.Context, l *election.Lease) (err error) {
+		defer func() {
+			if errors.Is(err, fenced) || errors.Is(context.Cause(ctx), election.ErrLeaseLost) {
+				r.metrics.ObserveFenced()
+			}
+		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
 		// to the old group (I4). The lease stays held while the table catches up.
@@ -269,7 +317,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 		})
 		defer stop()
-		return pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid})
+		err = pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID})
+		if errors.Is(err, fenced) && ctx.Err() == nil {
+			// Fenced by its output (a newer owner's record): the lease is that owner's now.
+			return fmt.Errorf("%w: %w", election.ErrLeaseLost, err)
+		}
+		return err
 	}, ecfg)
 	if err != nil {
 		return nil, invalid(err, election.ErrInvalidConfig)
@@ -589,5 +642,40 @@ func (r *Replica) Owned() []int { return r.elector.Owned() }
 // partitions subscribed and forwarding (a lease alone does not say so).
 func (r *Replica) Serving() int { return len(r.pool.Partitions()) }
 
+// WaitServing waits until the replica serves n partitions ([Replica.Serving]), polling, and
+// reports whether it does; it gives up with false when ctx ends or timeout passes first.
+func (r *Replica) WaitServing(ctx context.Context, n int, timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for r.Serving() < n {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+		}
+	}
+	return true
+}
+
 // Lookup returns the device's entry in this replica's groups table, as its lanes see it.
 func (r *Replica) Lookup(device string) (kv.Entry, bool) { return r.table.Lookup(device) }
+
+// DefaultID is a replica id for a replica not given one: the host name, with every character an
+// id cannot hold replaced by '-', and a random suffix.
+func DefaultID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "kvmapper"
+	}
+	host = strings.Map(func(r rune) rune {
+		if r == '-' || r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		return '-'
+	}, host)
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return host + "-" + hex.EncodeToString(b[:])
+}

@@ -112,6 +112,7 @@ type Metrics struct {
 	changes      *prometheus.CounterVec
 	gap          prometheus.Histogram
 	tableUpdates *prometheus.CounterVec
+	fenced       prometheus.Counter
 }
 
 // New returns Metrics that read src at every scrape. It registers the Go runtime and process
@@ -147,6 +148,10 @@ func New(src Source, cfg Config) (*Metrics, error) {
 			Name: "kvmapper_table_updates_total",
 			Help: "Live changes of the groups bucket applied to the in-memory table (the initial load is not counted).",
 		}, []string{"op"}),
+		fenced: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmapper_fenced_total",
+			Help: "Partitions this replica stopped because it lost their lease or a newer owner fenced them, instead of handing them over (alert on any).",
+		}),
 	}
 	for _, c := range []string{ChangeAcquired, ChangeReleased} {
 		m.changes.WithLabelValues(c)
@@ -160,8 +165,17 @@ func New(src Source, cfg Config) (*Metrics, error) {
 		ConstLabels: prometheus.Labels{"replica": cfg.Replica, "version": cfg.Version},
 	})
 	build.Set(1)
+	ready := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvmapper_ready",
+		Help: "1 while /readyz answers 200 (connected, groups table loaded, not stopping), else 0.",
+	}, func() float64 {
+		if cfg.Ready != nil && cfg.Ready() != nil {
+			return 0
+		}
+		return 1
+	})
 	for _, c := range []prometheus.Collector{
-		m.changes, m.gap, m.tableUpdates, build,
+		m.changes, m.gap, m.tableUpdates, m.fenced, build, ready,
 		&collector{m: m},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -187,6 +201,10 @@ func (m *Metrics) ObserveOwnership(change string, unowned time.Duration) {
 		m.gap.Observe(unowned.Seconds())
 	}
 }
+
+// ObserveFenced records that this replica stopped a partition because it lost the lease or a
+// newer owner fenced it: the partition was not handed over.
+func (m *Metrics) ObserveFenced() { m.fenced.Inc() }
 
 // ObserveTableUpdate records one live change of the groups table: a put, or a delete when
 // deleted is true. It is cheap enough for the table's watch goroutine.

@@ -109,6 +109,9 @@ func TestMetricsOfARealPool(t *testing.T) {
 	if code, body := get(t, hs.URL+"/readyz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "groups table not loaded") {
 		t.Errorf("GET /readyz before the table loaded = %d %q, want 503 naming the table", code, body)
 	}
+	if _, body := get(t, hs.URL+"/metrics"); !strings.Contains(body, "\nkvmapper_ready 0\n") {
+		t.Errorf("GET /metrics before the table loaded lacks kvmapper_ready 0")
+	}
 
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -130,6 +133,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 		"kvmapper_partitions_owned", `kvmapper_ownership_changes_total{change="acquired"} 0`, "kvmapper_unowned_gap_seconds_bucket",
 		"kvmapper_table_devices 1", "kvmapper_table_revision 1", `kvmapper_table_updates_total{op="put"} 0`,
 		`kvmapper_build_info{replica="r0",version="dev"} 1`, "kvmapper_events_dropped_total", "go_goroutines", "process_",
+		"\nkvmapper_ready 1\n", "\nkvmapper_fenced_total 0\n",
 	} {
 		if !strings.Contains(body, name) {
 			t.Errorf("GET /metrics lacks %q", name)

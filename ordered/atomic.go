@@ -254,6 +254,8 @@ func (w *Writer) expireAtomic(t *target, now time.Time, gen uint64) (timedOut bo
 	switch {
 	case m.gen != gen:
 		w.failAtomic(t, nats.ErrDisconnected)
+	case m.at.Before(t.elected):
+		w.failAtomic(t, errLeaderChanged)
 	case now.Sub(m.at) > w.timeout:
 		w.failAtomic(t, errAckTimeout)
 		return true

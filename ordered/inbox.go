@@ -347,6 +347,14 @@ func (w *Writer) expire(now time.Time, gen uint64) {
 	stall := w.cfg.StallTimeout
 	stalled := stall > 0 && now.Sub(w.answered) > stall
 	timedOut, lost := false, false
+	for _, t := range w.targets {
+		t.elected = time.Time{}
+		if w.cfg.Elected != nil && t.Name != "" {
+			if at := w.cfg.Elected(t.Name); now.Sub(at) > w.cfg.LeaderGrace {
+				t.elected = at
+			}
+		}
+	}
 	for _, m := range w.q {
 		if !m.inFlight() || m.batch != 0 {
 			continue
@@ -355,6 +363,10 @@ func (w *Writer) expire(now time.Time, gen uint64) {
 		switch {
 		case m.gen != gen:
 			why = nats.ErrDisconnected
+		case lost || m.at.Before(w.targets[m.Stream].elected):
+			// Sent to a leader that has since handed over, and unanswered: it dropped it. So
+			// is every later one taken for lost: it must not be stored before that one's resend.
+			why, lost = errLeaderChanged, true
 		case now.Sub(m.at) > w.timeout:
 			why, timedOut = errAckTimeout, true
 		case stalled && (lost || now.Sub(m.at) > stall):
@@ -390,6 +402,8 @@ func (w *Writer) expire(now time.Time, gen uint64) {
 				case !m.inFlight():
 				case m.gen != gen:
 					why = nats.ErrDisconnected
+				case m.at.Before(t.elected):
+					why = errLeaderChanged
 				case now.Sub(m.at) > w.timeout:
 					why, timedOut = errAckTimeout, true
 				case stalled && now.Sub(m.at) > stall:

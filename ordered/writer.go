@@ -87,6 +87,13 @@ type Config struct {
 	// not allow them (or a server that does not know them): the writer writes it singly from
 	// then on.
 	OnFallback func(stream string, err error)
+	// Elected, when set, says when the latest leader of a stream was announced (the server's
+	// leader advisories), zero when unknown. A leader that steps down drops the publishes it had
+	// queued, and their answers never come: what was sent before the announcement and is still
+	// unanswered LeaderGrace after it is taken for lost at once, not after StallTimeout.
+	Elected func(stream string) time.Time
+	// LeaderGrace is that moment. Default 100ms.
+	LeaderGrace time.Duration
 	// OnFail, when set, is called each time the writer turns failed: a message failed, or a
 	// batch broke, and nothing new is sent until a round of resends.
 	OnFail func()
@@ -100,6 +107,7 @@ func (c *Config) setDefaults() {
 	c.StallTimeout = cmp.Or(c.StallTimeout, 2*time.Second)
 	c.RetryBackoff = cmp.Or(c.RetryBackoff, 50*time.Millisecond)
 	c.MaxRetryBackoff = cmp.Or(c.MaxRetryBackoff, 2*time.Second)
+	c.LeaderGrace = cmp.Or(c.LeaderGrace, 100*time.Millisecond)
 }
 
 var (
@@ -114,15 +122,16 @@ var (
 	// no: nothing more was sent.
 	ErrStopped = errors.New("ordered: stopped by the caller")
 
-	errAckTimeout  = errors.New("ordered: no acknowledgement within the publish timeout")
-	errNoStream    = errors.New("ordered: no stream took the message: the stream does not exist (run kvmapper setup) or, on a cluster, is electing its leader")
-	errBadAck      = errors.New("ordered: unreadable acknowledgement")
-	errStalled     = errors.New("ordered: no answer from the server within the stall timeout (the stream may have no leader)")
-	errOvertaken   = errors.New("ordered: a later publish was stored first: this one was lost (the stream changed leader)")
-	errBatchEnded  = errors.New("ordered: the batch ended before this message was stored")
-	errUnknown     = errors.New("ordered: the batch's outcome was lost: this message may or may not be stored")
-	errFallback    = errors.New("ordered: the stream does not take batches: sent again singly")
-	errConnChanged = errors.New("ordered: the connection was replaced while this message was in flight")
+	errAckTimeout    = errors.New("ordered: no acknowledgement within the publish timeout")
+	errNoStream      = errors.New("ordered: no stream took the message: the stream does not exist (run kvmapper setup) or, on a cluster, is electing its leader")
+	errBadAck        = errors.New("ordered: unreadable acknowledgement")
+	errStalled       = errors.New("ordered: no answer from the server within the stall timeout (the stream may have no leader)")
+	errOvertaken     = errors.New("ordered: a later publish was stored first: this one was lost (the stream changed leader)")
+	errBatchEnded    = errors.New("ordered: the batch ended before this message was stored")
+	errUnknown       = errors.New("ordered: the batch's outcome was lost: this message may or may not be stored")
+	errFallback      = errors.New("ordered: the stream does not take batches: sent again singly")
+	errLeaderChanged = errors.New("ordered: the stream changed leader; what was sent before and is unanswered is sent again in order")
+	errConnChanged   = errors.New("ordered: the connection was replaced while this message was in flight")
 )
 
 // Msg is one message on its way out. The caller fills Key, Stream and Out and hands it to
@@ -191,7 +200,8 @@ type target struct {
 	held     *Msg      // given but not sent: it goes out as the next message, or the commit
 	flushed  bool      // Flush was called since the last Send
 
-	lastSeq uint64 // the highest stream sequence an answer named
+	lastSeq uint64    // the highest stream sequence an answer named
+	elected time.Time // when its latest leader was announced, once LeaderGrace has passed
 
 	// ModeAtomic
 	fenceSubj, fenceSeq string // the fence's headers; "" when the stream has none

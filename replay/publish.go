@@ -292,7 +292,7 @@ func (r *Replay) recover(ctx context.Context) error {
 	if first != nil {
 		pause := r.w.Backoff(first)
 		r.warn("publish", func(ev *zerolog.Event) {
-			ev.Err(first).Int("in_flight", r.w.Len()).Dur("retry_in", pause).
+			ev.Err(first).Int("in_flight", r.w.Len()).Int64("retry_in_ms", pause.Round(time.Millisecond).Milliseconds()).
 				Msg("publish failed; resending in order (if this persists, check that the target streams exist and the server is reachable)")
 		})
 		t := time.NewTimer(pause)

@@ -9,15 +9,16 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvmapper/kvmapper/internal/usage"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-// ParkConfig describes the PARKED stream, which holds the messages of devices parked until they
+// ParkedStream describes the PARKED stream, which holds the messages of devices parked until they
 // have a group (`kvmapper run --on-unmapped park`). Its limits are the server's: a device's
 // messages are one subject, capped by max_msgs_per_subject with discard_new_per_subject, and the
 // whole stream by max_msgs with discard new, so that the server refuses a message over either
 // limit (the lanes then dead-letter it as park-full) rather than drop an older one.
-type ParkConfig struct {
+type ParkedStream struct {
 	// MaxPerDevice is the most messages one device may have parked. Default 1000.
 	MaxPerDevice int64
 	// MaxTotal is the most messages parked in all. Default 1,000,000.
@@ -27,13 +28,37 @@ type ParkConfig struct {
 	CheckLimits bool
 }
 
+// OnUnmapped is what the replicas do with a message of a device that has no group
+// (--on-unmapped). With [OnUnmappedPark] a [Config] has a Park: [Ensure] creates PARKED.
+type OnUnmapped string
+
+const (
+	// OnUnmappedDeadLetter (the default): the message goes to UNMAPPED, reason no-mapping.
+	OnUnmappedDeadLetter OnUnmapped = "dead-letter"
+	// OnUnmappedPark: the message waits in PARKED, with every later message of its device behind
+	// it, until the device gets a group.
+	OnUnmappedPark OnUnmapped = "park"
+)
+
+// ParseOnUnmapped reads an on-unmapped mode's name, "dead-letter" or "park"; "" is
+// [OnUnmappedDeadLetter]. It fails wrapping [ErrInvalidConfig] for any other.
+func ParseOnUnmapped(s string) (OnUnmapped, error) {
+	switch o := OnUnmapped(s); o {
+	case "", OnUnmappedDeadLetter:
+		return OnUnmappedDeadLetter, nil
+	case OnUnmappedPark:
+		return o, nil
+	}
+	return "", usage.Value(ErrInvalidConfig, "on-unmapped", s, "use %s or %s", OnUnmappedDeadLetter, OnUnmappedPark)
+}
+
 // Default limits of a PARKED stream.
 const (
 	DefaultParkMaxPerDevice = 1000
 	DefaultParkMaxTotal     = 1_000_000
 )
 
-func (c *ParkConfig) defaults() {
+func (c *ParkedStream) defaults() {
 	c.MaxPerDevice = cmp.Or(c.MaxPerDevice, DefaultParkMaxPerDevice)
 	c.MaxTotal = cmp.Or(c.MaxTotal, DefaultParkMaxTotal)
 }
@@ -47,12 +72,6 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	pc := *cfg.Park
 	pc.defaults()
 	subject := cfg.ParkedPrefix + ".>"
-	switch {
-	case pc.MaxPerDevice < 1:
-		return "", fmt.Errorf("%w: a parked device must be allowed at least one message, not %d", ErrInvalidConfig, pc.MaxPerDevice)
-	case pc.MaxTotal < pc.MaxPerDevice:
-		return "", fmt.Errorf("%w: the total park limit %d is below the per-device limit %d", ErrInvalidConfig, pc.MaxTotal, pc.MaxPerDevice)
-	}
 	want := jetstream.StreamConfig{
 		Name:                 cfg.Parked,
 		Description:          "kvmapper: messages of devices parked until they have a group, one subject per device",
@@ -68,6 +87,7 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		AllowBatchPublish:    true,
 		AllowAtomicPublish:   true,
 	}
+	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
 		return "", fmt.Errorf("%w (if another stream captures %s, name other parked subjects with --parked-prefix)", err, subject)

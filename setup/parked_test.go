@@ -18,7 +18,7 @@ func TestEnsureParked(t *testing.T) {
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	ctx := context.Background()
-	cfg := setup.Config{Layout: layout(t, 16), Park: &setup.ParkConfig{MaxPerDevice: 10, MaxTotal: 50}}
+	cfg := setup.Config{Layout: layout(t, 16), Park: &setup.ParkedStream{MaxPerDevice: 10, MaxTotal: 50}}
 
 	lines, err := setup.Ensure(ctx, js, cfg)
 	if err != nil {
@@ -48,7 +48,7 @@ func TestEnsureParked(t *testing.T) {
 
 	// Without CheckLimits other limits are kept; with it they are a mismatch naming the fix.
 	other := cfg
-	other.Park = &setup.ParkConfig{MaxPerDevice: 20}
+	other.Park = &setup.ParkedStream{MaxPerDevice: 20}
 	if lines, err = setup.Ensure(ctx, js, other); err != nil || !strings.Contains(lines[len(lines)-1], "stream PARKED ok") {
 		t.Fatalf("Ensure with other limits, not checked = %q, %v; want ok", lines, err)
 	}
@@ -71,8 +71,19 @@ func TestEnsureParked(t *testing.T) {
 		t.Errorf("Ensure without Park = %d lines, %v; want the six others", len(lines), err)
 	}
 	bad := cfg
-	bad.Park = &setup.ParkConfig{MaxPerDevice: 100, MaxTotal: 10}
+	bad.Park = &setup.ParkedStream{MaxPerDevice: 100, MaxTotal: 10}
 	if _, err := setup.Ensure(ctx, js, bad); !errors.Is(err, setup.ErrInvalidConfig) {
 		t.Errorf("Ensure with a total below the per-device limit = %v; want ErrInvalidConfig", err)
+	}
+}
+
+func TestParseOnUnmapped(t *testing.T) {
+	for in, want := range map[string]setup.OnUnmapped{"": setup.OnUnmappedDeadLetter, "dead-letter": setup.OnUnmappedDeadLetter, "park": setup.OnUnmappedPark} {
+		if got, err := setup.ParseOnUnmapped(in); got != want || err != nil {
+			t.Errorf("ParseOnUnmapped(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	if _, err := setup.ParseOnUnmapped("hold"); !errors.Is(err, setup.ErrInvalidConfig) {
+		t.Errorf("ParseOnUnmapped(hold) = %v, want ErrInvalidConfig", err)
 	}
 }

@@ -41,6 +41,21 @@ In operator mode (accounts in JWTs), add it to the account's JWT and push it:
 `, src, dest, src, dest)
 }
 
+// ServerMappings returns the account subject mappings (source → destination) c needs from the
+// server: the partitioning mapping ([MappingConfig]) for the partition streams and for direct
+// mode's default receive kind, none otherwise. A server kvmapper starts itself gets them before
+// it accepts a connection.
+func (c Config) ServerMappings() map[string]string {
+	if c.Mode == wire.ModeDirect {
+		if c.Receive != wire.ReceiveMapping {
+			return nil
+		}
+	} else if c.StreamLayout != subjects.PartitionStreams {
+		return nil
+	}
+	return map[string]string{c.Layout.MappingSource(): c.Layout.MappingDest()}
+}
+
 // ensurePartitionStreams creates or verifies the P partition streams, then probes that the
 // server's account mapping puts each partition's messages into its stream.
 func ensurePartitionStreams(ctx context.Context, js jetstream.JetStream, cfg Config) (string, error) {

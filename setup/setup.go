@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"regexp"
 	"slices"
 	"time"
@@ -58,7 +59,7 @@ type Config struct {
 	GroupsHistory int
 	// Park, when set, makes [Ensure] create or verify the PARKED stream (Names.Parked) too; nil
 	// leaves it alone.
-	Park *ParkConfig
+	Park *ParkedStream
 	// BalanceLeaders makes [Ensure], in the partition-streams layout on a cluster, move the
 	// partition streams' leaderships until every server leads P/N of them, give or take one,
 	// as the streams' replicas allow. It is best effort and bounded (15 s): what fails is a
@@ -74,7 +75,7 @@ const DefaultGroupsHistory = 5
 // MaxGroupsHistory is the most values per key a KV bucket keeps (nats.go's KeyValueMaxHistory).
 const MaxGroupsHistory = jetstream.KeyValueMaxHistory
 
-// Defaults fills in the zero fields of c.
+// Defaults fills in the zero fields of c, and of the ParkedStream c.Park points to (in a copy).
 func (c *Config) Defaults() {
 	c.Names = c.Names.WithDefaults()
 	if c.Replicas == 0 {
@@ -92,6 +93,11 @@ func (c *Config) Defaults() {
 	if c.Receive == "" {
 		c.Receive = wire.ReceiveMapping
 	}
+	if c.Park != nil {
+		p := *c.Park
+		p.defaults()
+		c.Park = &p
+	}
 }
 
 // Ensure creates what is missing and verifies what exists, and returns one line per stream and
@@ -105,20 +111,11 @@ func (c *Config) Defaults() {
 // [wire.LayoutKey], with one more report line.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, error) {
 	cfg.Defaults()
-	if cfg.Layout == nil {
-		return nil, fmt.Errorf("%w: Layout is required", ErrInvalidConfig)
-	}
-	if _, err := wire.ParseMode(string(cfg.Mode)); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
-	}
-	if _, err := wire.ParseReceive(string(cfg.Receive)); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	if cfg.DuplicateWindow < MinDuplicateWindow {
 		return nil, fmt.Errorf("%w: duplicate window %v is below the minimum %v", ErrInvalidConfig, cfg.DuplicateWindow, MinDuplicateWindow)
-	}
-	if cfg.GroupsHistory < 0 || cfg.GroupsHistory > MaxGroupsHistory {
-		return nil, fmt.Errorf("%w: groups history %d: a bucket keeps 1 to %d values per key", ErrInvalidConfig, cfg.GroupsHistory, MaxGroupsHistory)
 	}
 	if cfg.Mode == wire.ModeStream {
 		choice, err := ChooseLayout(ctx, js, cfg)
@@ -150,6 +147,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config) ([]string, 
 	}
 	if cfg.Park != nil {
 		steps = append(steps, func() (string, error) { return ensureParked(ctx, js, cfg) })
+	}
+	if cfg.Mode == wire.ModeStream {
+		steps = append(steps, func() (string, error) { return ensureFences(ctx, js, cfg) })
 	}
 	if cfg.BalanceLeaders && cfg.Mode == wire.ModeStream && cfg.StreamLayout == subjects.PartitionStreams {
 		steps = append(steps, func() (string, error) { return spreadLeaders(ctx, js, cfg) })
@@ -231,6 +231,7 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		AllowBatchPublish:  true,
 		AllowAtomicPublish: true,
 	}
+	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
 	if err != nil {
 		return "", err
@@ -414,3 +415,26 @@ const (
 	errCodeNoPeers               jetstream.ErrorCode = 10005
 	errCodeInsufficientResources jetstream.ErrorCode = 10023
 )
+
+// Apply is `kvmapper setup`: it resolves cfg's layout ([ChooseLayout]; a choice --layout auto
+// made is said in stream mode), then runs [Ensure], and writes to w what they did, one line each,
+// and when a faster layout was not chosen, why and the server configuration it needs.
+func Apply(ctx context.Context, js jetstream.JetStream, cfg Config, w io.Writer) error {
+	auto := cfg.StreamLayout == subjects.AutoLayout
+	choice, err := ChooseLayout(ctx, js, cfg)
+	if err != nil {
+		return err
+	}
+	cfg.StreamLayout = choice.Layout
+	if auto && cfg.Mode == wire.ModeStream {
+		fmt.Fprintf(w, "layout %s (--layout auto): %s\n", choice.Layout, choice.Why)
+	}
+	lines, err := Ensure(ctx, js, cfg)
+	for _, l := range lines {
+		fmt.Fprintln(w, l)
+	}
+	if err == nil && choice.Faster != "" {
+		fmt.Fprintf(w, "\n%s.\n\n%s", choice.Faster, MappingConfig(cfg.Layout))
+	}
+	return err
+}

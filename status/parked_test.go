@@ -22,7 +22,7 @@ func TestReadCountsParkedDevices(t *testing.T) {
 	if snap.Parked != nil {
 		t.Errorf("Read() without PARKED: Parked = %+v, want nil", snap.Parked)
 	}
-	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t), Names: e.names, Park: &setup.ParkConfig{}}); err != nil {
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t), Names: e.names, Park: &setup.ParkedStream{}}); err != nil {
 		t.Fatal(err)
 	}
 	// What a lane stores when it parks a message.

@@ -139,3 +139,17 @@ func ParkedDevice(prefix, subject string) (device string, p int, ok bool) {
 	}
 	return device, n, true
 }
+
+// FencePrefix is the first two tokens of every fence subject. Output streams capture their
+// partitions' fence subjects beside their own; the templates' subjects must not overlap them.
+const FencePrefix = "kvmapper.fence"
+
+// FenceSubject is partition p's fence subject in the output stream named stream:
+// "kvmapper.fence.<stream>.<p>". A partition's owner writes its fence record there
+// (wire.FenceRecord) before its first write to the stream, and every later write checks it.
+func FenceSubject(stream string, p int) string {
+	return FencePrefix + "." + stream + "." + strconv.Itoa(p)
+}
+
+// FenceFilter is the subject an output stream named stream captures its fence subjects with.
+func FenceFilter(stream string) string { return FencePrefix + "." + stream + ".>" }

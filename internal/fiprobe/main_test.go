@@ -35,7 +35,7 @@ func outgoing(t *testing.T, cfg func(*jetstream.StreamConfig), mods ...func(*ser
 	return s, nc, js
 }
 
-func createOutgoing(t *testing.T, js jetstream.JetStream, replicas int, cfg func(*jetstream.StreamConfig)) {
+func createOutgoing(t testing.TB, js jetstream.JetStream, replicas int, cfg func(*jetstream.StreamConfig)) {
 	t.Helper()
 	c := jetstream.StreamConfig{
 		Name: "OUTGOING", Subjects: []string{"outgoing.>"}, Storage: jetstream.FileStorage,

@@ -58,15 +58,26 @@ var ErrNotFound = errors.New("kvcas: no message for the key")
 // older than the one that conflicted. The leader has applied every write it acknowledged.
 // Latest asks $JS.API.STREAM.MSG.GET.KV_<bucket>, which only the leader answers.
 func Latest(ctx context.Context, js jetstream.JetStream, bucket, key string) (*jetstream.RawStreamMsg, error) {
+	m, err := LastOfSubject(ctx, js, "KV_"+bucket, "$KV."+bucket+"."+key)
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		return nil, fmt.Errorf("kvcas: reading %s in bucket %s from its leader: %w", key, bucket, err)
+	}
+	return m, err
+}
+
+// LastOfSubject returns the last message stream holds on subject, with its headers and stream
+// sequence, read from the stream's leader ($JS.API.STREAM.MSG.GET.<stream>, which only the
+// leader answers; see [Latest] for why), or [ErrNotFound].
+func LastOfSubject(ctx context.Context, js jetstream.JetStream, stream, subject string) (*jetstream.RawStreamMsg, error) {
 	req, err := json.Marshal(struct {
 		LastFor string `json:"last_by_subj"`
-	}{"$KV." + bucket + "." + key})
+	}{subject})
 	if err != nil {
 		return nil, err
 	}
-	m, err := js.Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET.KV_"+bucket, req)
+	m, err := js.Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
 	if err != nil {
-		return nil, fmt.Errorf("kvcas: reading %s in bucket %s from its leader: %w", key, bucket, err)
+		return nil, fmt.Errorf("kvcas: reading %s in stream %s: %w", subject, stream, err)
 	}
 	var resp struct {
 		Error   *jetstream.APIError `json:"error"`
@@ -79,20 +90,20 @@ func Latest(ctx context.Context, js jetstream.JetStream, bucket, key string) (*j
 		} `json:"message"`
 	}
 	if err := json.Unmarshal(m.Data, &resp); err != nil {
-		return nil, fmt.Errorf("kvcas: reading %s in bucket %s: %w in %q", key, bucket, err, m.Data)
+		return nil, fmt.Errorf("kvcas: reading %s in stream %s: %w in %q", subject, stream, err, m.Data)
 	}
 	switch {
 	case resp.Error != nil && resp.Error.ErrorCode == jetstream.JSErrCodeMessageNotFound:
 		return nil, ErrNotFound
 	case resp.Error != nil:
-		return nil, fmt.Errorf("kvcas: reading %s in bucket %s: %w", key, bucket, resp.Error)
+		return nil, fmt.Errorf("kvcas: reading %s in stream %s: %w", subject, stream, resp.Error)
 	case resp.Message == nil:
-		return nil, fmt.Errorf("kvcas: reading %s in bucket %s: no message in %q", key, bucket, m.Data)
+		return nil, fmt.Errorf("kvcas: reading %s in stream %s: no message in %q", subject, stream, m.Data)
 	}
 	out := &jetstream.RawStreamMsg{Subject: resp.Message.Subject, Sequence: resp.Message.Seq, Data: resp.Message.Data, Time: resp.Message.Time}
 	if len(resp.Message.Header) > 0 {
 		if out.Header, err = nats.DecodeHeadersMsg(resp.Message.Header); err != nil {
-			return nil, fmt.Errorf("kvcas: reading %s in bucket %s: %w", key, bucket, err)
+			return nil, fmt.Errorf("kvcas: reading %s in stream %s: %w", subject, stream, err)
 		}
 	}
 	return out, nil

@@ -38,6 +38,7 @@ type Cluster struct {
 	// links[i][j] carries the routes node i dials to node j.
 	links [][]*link
 	sink  *link // the address every node advertises: it refuses routes
+	mods  []func(*server.Options)
 }
 
 // node is one member of the cluster: its current server (replaced on restart) and what a
@@ -60,7 +61,7 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	if n < 1 {
 		t.Fatalf("natstest.StartCluster: %d nodes, want at least 1", n)
 	}
-	c := &Cluster{t: t, name: "kvmapper-test"}
+	c := &Cluster{t: t, name: "kvmapper-test", mods: mods}
 	// The store directories first: t.TempDir removes them in a cleanup of its own, which must
 	// run after the servers have stopped (cleanups run last registered, first run).
 	dirs := make([]string, n)
@@ -138,6 +139,13 @@ func (c *Cluster) start(i int) {
 	c.t.Helper()
 	nd := c.nodes[i]
 	o := *nd.opts
+	// The funcs again, on options of this start's own: what they make (an account with its
+	// mappings, say) holds a server's state and must not be shared with the server it replaces.
+	for _, m := range c.mods {
+		m(&o)
+	}
+	o.StoreDir, o.ServerName, o.ClientAdvertise = nd.opts.StoreDir, nd.opts.ServerName, nd.opts.ClientAdvertise
+	o.Cluster, o.Routes = nd.opts.Cluster, nd.opts.Routes
 	o.Port = nd.port
 	o.Cluster.Port = nd.clusterPort
 	s, err := server.NewServer(&o)

@@ -14,31 +14,48 @@ import (
 // safe for concurrent use.
 type Dropper struct {
 	mu      sync.Mutex
-	prefix  []byte // publishes to subjects starting with it are dropped; nil: none
-	left    int    // with DropNext: how many more to drop before stopping; 0: no limit
+	rules   []DropRule // the first whose prefix matches a publish decides; none: it goes through
 	dropped int
 }
 
-// Drop starts dropping the publishes to subjects that start with prefix; "" stops.
-func (d *Dropper) Drop(prefix string) {
+// DropRule says which publishes a [Dropper] drops: those to subjects starting with Prefix,
+// after the first Pass of them went through; with Next > 0 only the next Next of them, then the
+// rule ends.
+type DropRule struct {
+	Prefix     string
+	Pass, Next int
+}
+
+// Set replaces what d drops with rules; none: nothing.
+func (d *Dropper) Set(rules ...DropRule) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.prefix, d.left = nil, 0
-	if prefix != "" {
-		d.prefix = []byte(prefix)
+	d.rules = nil
+	for _, r := range rules {
+		if r.Prefix != "" && r.Next >= 0 {
+			d.rules = append(d.rules, r)
+		}
 	}
 }
+
+// Drop starts dropping the publishes to subjects that start with prefix, and only those; ""
+// stops.
+func (d *Dropper) Drop(prefix string) { d.Set(DropRule{Prefix: prefix}) }
 
 // DropNext drops the next n publishes to subjects that start with prefix, then stops dropping:
 // what a client sees of a stream that gets a leader back in the middle of what it sends.
 func (d *Dropper) DropNext(prefix string, n int) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.prefix, d.left = nil, 0
-	if prefix != "" && n > 0 {
-		d.prefix, d.left = []byte(prefix), n
+	if n <= 0 {
+		d.Set()
+		return
 	}
+	d.Set(DropRule{Prefix: prefix, Next: n})
 }
+
+// DropAfter lets the next n publishes to subjects that start with prefix through, then drops
+// every later one: what a client sees of a stream that loses its leader after it has stored
+// exactly n of what the client sent.
+func (d *Dropper) DropAfter(prefix string, n int) { d.Set(DropRule{Prefix: prefix, Pass: n}) }
 
 // Dropped returns how many publishes were dropped so far.
 func (d *Dropper) Dropped() int {
@@ -51,16 +68,24 @@ func (d *Dropper) Dropped() int {
 func (d *Dropper) drops(subject []byte) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.prefix == nil || !bytes.HasPrefix(subject, d.prefix) {
-		return false
-	}
-	d.dropped++
-	if d.left > 0 {
-		if d.left--; d.left == 0 {
-			d.prefix = nil
+	for i := range d.rules {
+		r := &d.rules[i]
+		if !bytes.HasPrefix(subject, []byte(r.Prefix)) {
+			continue
 		}
+		if r.Pass > 0 {
+			r.Pass--
+			return false
+		}
+		d.dropped++
+		if r.Next > 0 {
+			if r.Next--; r.Next == 0 {
+				d.rules = append(d.rules[:i], d.rules[i+1:]...)
+			}
+		}
+		return true
 	}
-	return true
+	return false
 }
 
 // Dial implements nats.CustomDialer.

@@ -1,0 +1,51 @@
+// Command render writes the plain Kubernetes manifests of deploy/kubernetes/, for users without
+// Helm, from the chart and deploy/kubernetes/values.yaml:
+//
+//	go -C deploy run ./cmd/render
+//
+// kvmapper.yaml holds the replicas (Deployment, ServiceAccount, metrics Service,
+// PodDisruptionBudget), setup-job.yaml the one-shot `kvmapper setup` (a Helm hook in the chart),
+// monitoring.yaml the ServiceMonitor, PrometheusRule and Grafana dashboard (prometheus-operator
+// CRDs). CI fails when they differ from what the chart renders.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/kvmapper/kvmapper/deploy/chart"
+)
+
+func main() {
+	root := flag.String("root", ".", "the deploy module's directory")
+	check := flag.Bool("check", false, "write nothing: fail when a file differs from what the chart renders")
+	flag.Parse()
+	if err := run(*root, *check); err != nil {
+		fmt.Fprintf(os.Stderr, "render: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run(root string, check bool) error {
+	files, err := chart.Plain(root)
+	if err != nil {
+		return err
+	}
+	for name, data := range files {
+		p := filepath.Join(root, "kubernetes", name)
+		if check {
+			old, err := os.ReadFile(p)
+			if err != nil || string(old) != string(data) {
+				return fmt.Errorf("%s is not what the chart renders: run go -C deploy run ./cmd/render", p)
+			}
+			continue
+		}
+		if err := os.WriteFile(p, data, 0o644); err != nil {
+			return err
+		}
+		fmt.Println("wrote", p)
+	}
+	return nil
+}

@@ -1,0 +1,225 @@
+{{/* Names and labels. */}}
+{{- define "kvmapper.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvmapper.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvmapper.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvmapper.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvmapper.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvmapper.selectorLabels" . }}
+app.kubernetes.io/version: {{ include "kvmapper.tag" . | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvmapper.tag" -}}
+{{- default .Chart.AppVersion .Values.image.tag -}}
+{{- end -}}
+
+{{- define "kvmapper.image" -}}
+{{- printf "%s:%s" .Values.image.repository (include "kvmapper.tag" .) -}}
+{{- end -}}
+
+{{- define "kvmapper.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvmapper.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvmapper.value prints a flag's value: whole numbers without an exponent (Helm reads YAML
+numbers as float64, which would print 67108864 as 6.7108864e+07).
+*/}}
+{{- define "kvmapper.value" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- printf "%d" (int64 .) -}}
+{{- else -}}
+{{- printf "%v" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvmapper.seconds prints the whole seconds (rounded up) of a Go duration such as 10s, 1m30s or
+500ms; it fails the render on anything else.
+*/}}
+{{- define "kvmapper.seconds" -}}
+{{- $d := toString .value -}}
+{{- if not (regexMatch "^([0-9]+(\\.[0-9]+)?(h|m|s|ms|us|µs|ns))+$" $d) -}}
+{{- fail (printf "config.%s: %q is not a duration kvmapper reads (write it as 10s, 1m30s or 500ms)" .name $d) -}}
+{{- end -}}
+{{- $total := 0.0 -}}
+{{- range regexFindAll "[0-9.]+(h|ms|m|s|us|µs|ns)" $d -1 -}}
+{{- $n := float64 (regexFind "^[0-9.]+" .) -}}
+{{- $unit := trimPrefix (regexFind "^[0-9.]+" .) . -}}
+{{- $scale := get (dict "h" 3600.0 "m" 60.0 "s" 1.0 "ms" 0.001 "us" 0.000001 "µs" 0.000001 "ns" 0.000000001) $unit -}}
+{{- $total = addf $total (mulf $n $scale) -}}
+{{- end -}}
+{{- printf "%d" (int64 (ceil $total)) -}}
+{{- end -}}
+
+{{/*
+kvmapper.setupKeys are the config keys `kvmapper setup` takes as well as `kvmapper run`: they go
+to the setup Job too, so that setup creates what the replicas expect. The chart's tests check
+this list against the binary's own --help.
+*/}}
+{{- define "kvmapper.setupKeys" -}}
+mode layout partitions in out unmapped incoming-stream outgoing-stream unmapped-stream groups-bucket control-bucket parked-stream parked-prefix direct-receive stream-replicas groups-history on-unmapped park-max-per-device park-max-total inbox-prefix connect-timeout reconnect-wait log-level log-format
+{{- end -}}
+
+{{/*
+kvmapper.env prints one environment variable per set entry of the map given: kvmapper reads
+every flag from KVMAPPER_ and its name in capitals (--drain-timeout: KVMAPPER_DRAIN_TIMEOUT).
+Through the environment, rather than arguments, `kubectl exec … -- /kvmapper status` in a pod
+runs with the same connection and names as the replica.
+*/}}
+{{- define "kvmapper.env" -}}
+{{- range $k, $v := . }}
+{{- if and (not (kindIs "invalid" $v)) (ne (toString $v) "") }}
+- name: {{ printf "KVMAPPER_%s" ($k | upper | replace "-" "_") }}
+  value: {{ include "kvmapper.value" $v | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* kvmapper.setupConfig is config restricted to kvmapper.setupKeys, plus setupJob.config. */}}
+{{- define "kvmapper.setupConfig" -}}
+{{- $out := dict -}}
+{{- range $k := splitList " " (include "kvmapper.setupKeys" .) -}}
+{{- if hasKey $.Values.config $k -}}
+{{- $_ := set $out $k (get $.Values.config $k) -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $v := .Values.setupJob.config -}}
+{{- $_ := set $out $k $v -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/*
+The connection to NATS, for a container: env, volumes and volume mounts. Each takes
+(dict "root" $ "auth" <nats.auth or setupJob.auth>). Secrets are mounted read-only under
+/etc/kvmapper/nats/<what>/; passwords and tokens come straight from their Secrets.
+*/}}
+{{- define "kvmapper.natsEnv" -}}
+{{- $auth := .auth -}}
+{{- $tls := .root.Values.nats.tls }}
+- name: KVMAPPER_SERVER
+  value: {{ join "," .root.Values.nats.urls | quote }}
+{{- if $auth.context.secretName }}
+- name: KVMAPPER_CONTEXT
+  value: {{ printf "/etc/kvmapper/nats/context/%s" $auth.context.key | quote }}
+{{- end }}
+{{- if $auth.creds.secretName }}
+- name: KVMAPPER_CREDS
+  value: {{ printf "/etc/kvmapper/nats/creds/%s" $auth.creds.key | quote }}
+{{- end }}
+{{- if $auth.nkey.secretName }}
+- name: KVMAPPER_NKEY
+  value: {{ printf "/etc/kvmapper/nats/nkey/%s" $auth.nkey.key | quote }}
+{{- end }}
+{{- if $auth.user }}
+- name: KVMAPPER_USER
+  value: {{ $auth.user | quote }}
+{{- end }}
+{{- if $auth.passwordSecret.secretName }}
+- name: KVMAPPER_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $auth.passwordSecret.secretName | quote }}
+      key: {{ $auth.passwordSecret.key | quote }}
+{{- end }}
+{{- if $auth.tokenSecret.secretName }}
+- name: KVMAPPER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $auth.tokenSecret.secretName | quote }}
+      key: {{ $auth.tokenSecret.key | quote }}
+{{- end }}
+{{- if $tls.secretName }}
+{{- if $tls.ca }}
+- name: KVMAPPER_TLSCA
+  value: {{ printf "/etc/kvmapper/nats/tls/%s" $tls.ca | quote }}
+{{- end }}
+{{- if and $tls.cert $tls.key }}
+- name: KVMAPPER_TLSCERT
+  value: {{ printf "/etc/kvmapper/nats/tls/%s" $tls.cert | quote }}
+- name: KVMAPPER_TLSKEY
+  value: {{ printf "/etc/kvmapper/nats/tls/%s" $tls.key | quote }}
+{{- end }}
+{{- end }}
+{{- if $tls.handshakeFirst }}
+- name: KVMAPPER_TLS_FIRST
+  value: "true"
+{{- end }}
+{{- end -}}
+
+{{- define "kvmapper.natsVolumes" -}}
+{{- $auth := .auth -}}
+{{- $tls := .root.Values.nats.tls -}}
+{{- range $what := list "context" "creds" "nkey" }}
+{{- $s := get $auth $what }}
+{{- if $s.secretName }}
+- name: nats-{{ $what }}
+  secret:
+    secretName: {{ $s.secretName | quote }}
+    items:
+      - key: {{ $s.key | quote }}
+        path: {{ $s.key | quote }}
+{{- end }}
+{{- end }}
+{{- if $tls.secretName }}
+- name: nats-tls
+  secret:
+    secretName: {{ $tls.secretName | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvmapper.natsMounts" -}}
+{{- $auth := .auth -}}
+{{- $tls := .root.Values.nats.tls -}}
+{{- range $what := list "context" "creds" "nkey" }}
+{{- if (get $auth $what).secretName }}
+- name: nats-{{ $what }}
+  mountPath: /etc/kvmapper/nats/{{ $what }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if $tls.secretName }}
+- name: nats-tls
+  mountPath: /etc/kvmapper/nats/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+kvmapper.gracePeriod is the pods' terminationGracePeriodSeconds: the preStop pause, then what
+SIGTERM sets off: each partition drains for up to drain-timeout (all at once), then writes its
+final checkpoint and releases its lease (the replica allows 10 s beyond the drain for that,
+shutdown.marginSeconds); in direct mode a released partition forwards for up to handoff-timeout.
+*/}}
+{{- define "kvmapper.gracePeriod" -}}
+{{- $drain := include "kvmapper.seconds" (dict "name" "drain-timeout" "value" (default "10s" (get .Values.config "drain-timeout"))) | int -}}
+{{- $handoff := 0 -}}
+{{- if eq (toString (get .Values.config "mode")) "direct" -}}
+{{- $handoff = include "kvmapper.seconds" (dict "name" "handoff-timeout" "value" (default "5s" (get .Values.config "handoff-timeout"))) | int -}}
+{{- end -}}
+{{- add (int .Values.shutdown.preStopSeconds) $drain $handoff (int .Values.shutdown.marginSeconds) -}}
+{{- end -}}

@@ -1,0 +1,48 @@
+package integration
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvmapper/kvmapper/subjects"
+)
+
+// TestClusterRollingStop stops each server of the 3-node cluster gracefully in turn, as SIGTERM
+// does (nats-server's Shutdown: the Raft groups it leads hand over first, its clients are
+// closed), under load, restarting it before the next, in both layouts. Nothing may be lost,
+// duplicated or reordered, no partition may change owner, OUTGOING may not pause for more than
+// a second, and no message may wait more than 1.5s between INCOMING and OUTGOING (without the
+// race detector; under it, OUTGOING may not pause for more than 3s).
+func TestClusterRollingStop(t *testing.T) {
+	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
+		t.Run(string(sl), func(t *testing.T) {
+			devices := deviceNames("dev-", 100)
+			e := newClusterEnv(t, sl, devices)
+			t.Logf("leaders: %s", leadersOf(e.replication()))
+			gen := e.newGenerator(devices, faultRate)
+			e.flows(500)
+			owners := e.leases()
+			var windows []window
+			for i := range e.c.Size() {
+				e.flows(500)
+				until(windows, time.Now())
+				stopped := time.Now()
+				e.c.Stop(i)
+				e.flows(uint64(2 * faultRate))
+				// The target is a second (issue 20), measured without the race detector: a stop
+				// cost 2.0–2.1s per device before (a consumer on the stopped server replaced
+				// slowly), up to 5s. Under -race on a loaded machine only a wide bound holds.
+				w := window{name: fmt.Sprintf("graceful stop of %s", e.c.Name(i)), from: stopped, to: time.Now(),
+					maxGap: 3 * time.Second}
+				if !raceEnabled {
+					w.maxGap, w.maxWait = time.Second, 1500*time.Millisecond
+				}
+				windows = append(windows, w)
+				e.restart(i)
+			}
+			e.sameOwners("rolling stop", owners)
+			e.check(gen.finish(0), windows)
+		})
+	}
+}

@@ -1,0 +1,196 @@
+package lanes
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/ordered"
+	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
+)
+
+// OutputFence is a lane's fence in one output stream: the partition's fence subject there and
+// the stream sequence of the lane's own fence record on it. Every write of the lane to Stream
+// after its takeover is to check, with Nats-Expected-Last-Subject-Sequence: Seq and
+// Nats-Expected-Last-Subject-Sequence-Subject: Subject, that no later owner has written its
+// record since (docs/design-fencing.md, "Every write").
+type OutputFence struct {
+	Stream, Subject string
+	Seq             uint64
+}
+
+// fenceOutputs writes the lane's fence record on the partition's fence subject in each stream of
+// Config.Fences, before the lane writes anything, and keeps the sequence of each in l.fences.
+// After it, a stream refuses every checked write of an earlier owner. It returns [ErrFenced]
+// when a stream already holds the record of a later owner than this lane's (it has been taken
+// over since it claimed), and retries anything else with backoff until ctx ends.
+func (l *lane) fenceOutputs(ctx context.Context) error {
+	if len(l.p.cfg.Fences) == 0 {
+		return nil
+	}
+	control, err := l.p.controlIncarnation(ctx)
+	if err != nil {
+		return err
+	}
+	rec := wire.FenceRecord{Partition: l.a.Partition, Epoch: l.a.Epoch, Owner: l.a.Owner, Control: control, Nonce: rand.Text()}
+	fences := make([]OutputFence, len(l.p.cfg.Fences))
+	g, gctx := errgroup.WithContext(ctx)
+	for i, stream := range l.p.cfg.Fences {
+		g.Go(func() error {
+			f, err := l.writeFence(gctx, stream, rec)
+			fences[i] = f
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	l.fences = make(map[string]OutputFence, len(fences))
+	for _, f := range fences {
+		l.fences[f.Stream] = f
+	}
+	return nil
+}
+
+// fenceAttemptTimeout bounds one read or write of a fence record.
+const fenceAttemptTimeout = 2 * time.Second
+
+// writeFence writes rec on its partition's fence subject in stream over whatever record is last
+// there, unless that one is a later owner's. It reads the last record from the stream's leader,
+// writes with compare-and-set on its sequence, and starts again when another write got there
+// first (10071, a record or a checked batch in between; 10164, one being applied); a write whose
+// answer is lost is read back and recognised by rec's nonce.
+func (l *lane) writeFence(ctx context.Context, stream string, rec wire.FenceRecord) (OutputFence, error) {
+	subject := subjects.FenceSubject(stream, rec.Partition)
+	backoff := l.p.cfg.RetryBackoff
+	for {
+		seq, err := l.tryFenceOutput(ctx, stream, subject, rec)
+		if err == nil {
+			l.log.Debug().Str("stream", stream).Uint64("fence", seq).Msg("output fenced")
+			return OutputFence{Stream: stream, Subject: subject, Seq: seq}, nil
+		}
+		if errors.Is(err, ErrFenced) || ctx.Err() != nil {
+			return OutputFence{}, err
+		}
+		if !kvcas.IsConflict(err) && !kvcas.InProcess(err) {
+			l.p.warn("output-fence", func(e *zerolog.Event) {
+				e.Int("partition", rec.Partition).Str("stream", stream).Err(err).
+					Msg("writing the partition's fence record failed; retrying (the stream must capture " + subjects.FenceFilter(stream) + ": kvmapper setup)")
+			})
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return OutputFence{}, fmt.Errorf("lanes: fencing %s for partition %d: %w", stream, rec.Partition, err)
+		}
+		backoff = min(2*backoff, l.p.cfg.MaxRetryBackoff)
+	}
+}
+
+// tryFenceOutput makes one attempt of writeFence and returns the sequence of rec in stream.
+func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec wire.FenceRecord) (uint64, error) {
+	rctx, cancel := context.WithTimeout(ctx, fenceAttemptTimeout)
+	defer cancel()
+	var last uint64
+	m, err := kvcas.LastOfSubject(rctx, l.p.js, stream, subject)
+	switch {
+	case errors.Is(err, kvcas.ErrNotFound):
+	case err != nil:
+		return 0, err
+	default:
+		old, perr := wire.ParseFenceRecord(m.Data)
+		switch {
+		case perr == nil && old.Nonce == rec.Nonce:
+			return m.Sequence, nil // an earlier attempt of ours, whose answer was lost
+		case perr == nil && old.Supersedes(rec):
+			return 0, fmt.Errorf("%w: %s holds the fence record of %s, epoch %d, later than this lane's epoch %d",
+				ErrFenced, subject, old.Owner, old.Epoch, rec.Epoch)
+		}
+		last = m.Sequence
+	}
+	msg := nats.NewMsg(subject)
+	msg.Data = rec.Append(nil)
+	ack, err := l.p.js.PublishMsg(rctx, msg, jetstream.WithExpectLastSequencePerSubject(last))
+	if err == nil {
+		return ack.Sequence, nil
+	}
+	if kvcas.IsConflict(err) || kvcas.InProcess(err) {
+		return 0, err
+	}
+	// No answer: it may have been stored. The next attempt reads it back.
+	return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
+}
+
+// controlIncarnation returns the incarnation of the control bucket, read once.
+func (p *Pool) controlIncarnation(ctx context.Context) (string, error) {
+	p.incMu.Lock()
+	defer p.incMu.Unlock()
+	if p.control != "" {
+		return p.control, nil
+	}
+	st, err := p.ctl.Status(ctx)
+	if err != nil {
+		return "", fmt.Errorf("lanes: reading bucket %s: %w", p.ctl.Bucket(), err)
+	}
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	if !ok {
+		return "", fmt.Errorf("lanes: bucket %s: no stream info in its status", p.ctl.Bucket())
+	}
+	p.control = wire.Incarnation(bs.StreamInfo().Created)
+	return p.control, nil
+}
+
+// Fences returns the fences of the running lane of partition p in its output streams, nil when
+// it runs none or no stream is fenced. It is for the writer and for tests; safe for concurrent
+// use once the lane has started publishing.
+func (p *Pool) Fences(partition int) []OutputFence {
+	p.lanesMu.Lock()
+	defer p.lanesMu.Unlock()
+	for l := range p.lanes {
+		if l.a.Partition == partition {
+			var out []OutputFence
+			for _, stream := range p.cfg.Fences {
+				if f, ok := l.fences[stream]; ok {
+					out = append(out, f)
+				}
+			}
+			return out
+		}
+	}
+	return nil
+}
+
+// WritesChecked reports whether every write of the pool's lanes to a fenced output stream
+// carries the check of its lane's fence (docs/design-fencing.md, "Every write"), so that a
+// stream refuses a deposed owner's writes: only then may owners be judged dead before their
+// leases expire. That is so when every fenced stream is written in atomic batches (package
+// ordered puts the check on the first message of each, and on every message it sends alone);
+// single publishes and fast-ingest batches carry no exact fence on a replicated stream. It reads
+// the streams' configurations (ctx bounds it) unless the lanes read them lately.
+func (p *Pool) WritesChecked(ctx context.Context) bool {
+	if len(p.cfg.Fences) == 0 || p.cfg.Singles {
+		return false
+	}
+	outs := p.outputs(ctx)
+	modes := map[string]ordered.Mode{}
+	for _, o := range outs {
+		modes[o.Name] = o.Mode
+	}
+	for _, name := range p.cfg.Fences {
+		if modes[name] != ordered.ModeAtomic {
+			return false
+		}
+	}
+	return true
+}
