@@ -163,8 +163,18 @@ func (l *lane) startWriter(ctx context.Context) (func(), error) {
 // stream checks each batch against it: a later owner's record refuses it). A previous owner may
 // have stored what it sends first: those are counted as the duplicates they are, one at a time,
 // until the first new store.
+//
+// A drain's writer (n < 3) writes a one-server stream singly rather than in fast-ingest batches:
+// a drain purges from PARKED exactly what its release stored, and a fast batch whose answer was
+// lost does not say which of its messages were (an atomic batch does, and there are no leader
+// changes on one server).
 func (l *lane) newWriter(ctx context.Context, n int) *ordered.Writer {
 	outs := l.p.outputs(ctx)[:n]
+	for i := range outs {
+		if n < 3 && outs[i].Mode == ordered.ModeBatch {
+			outs[i].Mode = ordered.ModeSingle
+		}
+	}
 	w := l.in.NewWriter(outs, l.p.writerConfig())
 	for i, o := range outs {
 		if f, ok := l.fences[o.Name]; ok {

@@ -85,7 +85,7 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		Duplicates:           cfg.DuplicateWindow,
 		Replicas:             cfg.Replicas,
 		AllowBatchPublish:    true,
-		AllowAtomicPublish:   true,
+		AllowAtomicPublish:   cfg.Replicas > 1, // the lanes write a replicated PARKED in atomic batches
 	}
 	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)

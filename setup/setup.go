@@ -226,10 +226,9 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		Duplicates:  cfg.DuplicateWindow,
 		Replicas:    cfg.Replicas,
 		// The lanes write in batches where the stream allows them (lanes.Config.Singles): fast
-		// ingest on one replica, atomic on several; only batches keep a device's order through
-		// a leader change.
-		AllowBatchPublish:  true,
-		AllowAtomicPublish: true,
+		// ingest on one replica, atomic on several (fenceOutput allows those); only batches
+		// keep a device's order through a leader change.
+		AllowBatchPublish: true,
 	}
 	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
