@@ -31,17 +31,23 @@ const (
 	// KindForeign: a message whose Nats-Msg-Id is absent or does not name an INCOMING sequence
 	// ("<Incoming>:<seq>"). Someone other than kvmapper published it; it does not fail the audit.
 	KindForeign = "foreign"
+	// KindMapping: a message of OUTGOING whose subject or output headers are not what the value
+	// it was mapped with (the revision of the groups bucket its KVMapper-Revision names) renders
+	// with the templates, or whose revision is not a usable value of its device.
+	KindMapping = "mapping"
 )
 
 // kinds lists the kinds in the order findings are reported.
-var kinds = [...]string{KindMissing, KindDuplicate, KindReorder, KindStaleEpoch, KindForeign}
+var kinds = [...]string{KindMissing, KindDuplicate, KindReorder, KindStaleEpoch, KindMapping, KindForeign}
 
 // Config says what [Run] audits. Zero fields mean the defaults given.
 type Config struct {
-	Layout *subjects.Layout // required: where the device token sits in output subjects
-	// Names are the streams read and the control bucket, whose creation time tells epochs that
-	// started again with a re-created bucket from a deposed owner's write; empty ones get
-	// subjects.DefaultNames. Groups is not used.
+	// Layout is required: where the device token sits in output subjects, and the templates
+	// (out and headers) each OUTGOING message is checked against with the value it was mapped with.
+	Layout *subjects.Layout
+	// Names are the streams read, the groups bucket whose revisions the mapping check reads, and
+	// the control bucket, whose creation time tells epochs that started again with a re-created
+	// bucket from a deposed owner's write; empty ones get subjects.DefaultNames.
 	subjects.Names
 	// Wait, when positive and messages are missing after the outputs have been read up to their
 	// last sequence at the start, keeps consuming both outputs (continuing where it stopped) until
@@ -93,21 +99,32 @@ type Report struct {
 	// (older than FirstSeq, e.g. trimmed by INCOMING's limits, or newer than LastSeq). They are
 	// checked for order and epoch, but a duplicate among them is found only when it follows the
 	// other copy directly in the same device's order.
-	OutOfRange  uint64        `json:"out_of_range"`
-	Devices     int           `json:"devices"` // distinct devices seen in the outputs
-	Reorders    uint64        `json:"reorders"`
-	Duplicates  uint64        `json:"duplicates"`
-	Missing     uint64        `json:"missing"`
-	StaleEpochs uint64        `json:"stale_epochs"`
-	Foreign     uint64        `json:"foreign"`
-	Findings    []Finding     `json:"findings"`
-	Elapsed     time.Duration `json:"elapsed_ns"`
+	OutOfRange  uint64 `json:"out_of_range"`
+	Devices     int    `json:"devices"` // distinct devices seen in the outputs
+	Reorders    uint64 `json:"reorders"`
+	Duplicates  uint64 `json:"duplicates"`
+	Missing     uint64 `json:"missing"`
+	StaleEpochs uint64 `json:"stale_epochs"`
+	// Mappings counts the OUTGOING messages that do not match the value they were mapped with
+	// (KindMapping). MappingChecked counts those checked, MappingUnchecked those that could not
+	// be: no KVMapper-Revision (provenance off), or a revision the groups bucket no longer holds
+	// (its history keeps --groups-history values per key).
+	Mappings         uint64 `json:"mappings"`
+	MappingChecked   uint64 `json:"mapping_checked"`
+	MappingUnchecked uint64 `json:"mapping_unchecked"`
+	// MappingOff says why messages were not checked against their values from some point on
+	// (the groups bucket could not be read), or is empty.
+	MappingOff string        `json:"mapping_off,omitempty"`
+	Foreign    uint64        `json:"foreign"`
+	Findings   []Finding     `json:"findings"`
+	Elapsed    time.Duration `json:"elapsed_ns"`
 }
 
-// OK reports whether the audit found no reorder, duplicate, missing message or stale epoch.
-// Foreign messages do not count against it: they are not the mapper's.
+// OK reports whether the audit found no reorder, duplicate, missing message, stale epoch or
+// message that does not match its value. Foreign messages do not count against it: they are not
+// the mapper's.
 func (r *Report) OK() bool {
-	return r.Reorders == 0 && r.Duplicates == 0 && r.Missing == 0 && r.StaleEpochs == 0
+	return r.Reorders == 0 && r.Duplicates == 0 && r.Missing == 0 && r.StaleEpochs == 0 && r.Mappings == 0
 }
 
 // Run audits the outputs against INCOMING and returns the report; it returns an error only when
@@ -155,6 +172,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 		return nil, err
 	}
 	defer out.stop()
+	out.mapping = newMappingCheck(ctx, js, cfg.Layout, cfg.Groups)
 	unm, err := a.open(ctx, js, cfg.Unmapped, cfg.Layout.Unmapped, cfg.Layout.MalformedSubject())
 	if err != nil {
 		return nil, err
@@ -198,6 +216,11 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 		Parked:     parked,
 		OutOfRange: out.outOfRange + unm.outOfRange,
 		Devices:    out.devices(nil) + unm.devices(out),
+		Mappings:   out.counts[KindMapping],
+
+		MappingChecked:   out.mapping.checked,
+		MappingUnchecked: out.mapping.unchecked,
+		MappingOff:       out.mapping.off,
 	}
 	per := map[string][]Finding{}
 	for _, src := range a.sources {

@@ -35,7 +35,8 @@ type reader struct {
 	seen      bool   // catchUp has read a message
 	lastSeq   uint64 // the stream sequence of the last message catchUp read
 	subj      devParser
-	malformed string // the subject whose device token means nothing, or ""
+	malformed string        // the subject whose device token means nothing, or ""
+	mapping   *mappingCheck // OUTGOING's: each message against the value it was mapped with
 
 	read, outOfRange uint64
 	unreported       uint64 // read but not yet passed to progress
@@ -129,7 +130,10 @@ func (r *reader) catchUp(ctx context.Context) error {
 			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
 		}
 		r.seen = true
-		sseq, pending := r.handle(m)
+		sseq, pending, err := r.handle(ctx, m)
+		if err != nil {
+			return err
+		}
 		r.lastSeq = sseq
 		if sseq >= r.startLast || pending == 0 {
 			return nil
@@ -168,13 +172,19 @@ func (r *reader) follow(wctx context.Context) error {
 			}
 			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
 		}
-		r.handle(m)
+		if _, _, err := r.handle(wctx, m); err != nil {
+			if wctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
 	}
 }
 
 // handle checks one message and returns its stream sequence and the messages pending after it.
-// It does not allocate unless it records a finding or a new device.
-func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
+// It does not allocate unless it records a finding or a new device, or reads a revision of the
+// groups bucket it has not read yet (OUTGOING's mapping check); its error is one reading it.
+func (r *reader) handle(ctx context.Context, m jetstream.Msg) (sseq, pending uint64, err error) {
 	ack, ok := subjects.ParseAck(m.Reply())
 	if !ok {
 		if md, err := m.Metadata(); err == nil {
@@ -184,7 +194,7 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 	sseq, pending = ack.StreamSeq, ack.Pending
 	if strings.HasPrefix(m.Subject(), fencePrefix) {
 		// A partition owner's fence record (docs/design-fencing.md): no message of a device.
-		return sseq, pending
+		return sseq, pending, nil
 	}
 	r.read++
 	if r.a.cfg.Progress != nil {
@@ -212,7 +222,7 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 			}
 			r.add(Finding{Kind: KindForeign, Device: device, StreamSeq: sseq, Detail: detail + " (subject " + subject + ")"})
 		}
-		return sseq, pending
+		return sseq, pending, nil
 	}
 	inRange, dup := r.a.mark(src, seq)
 	if !inRange {
@@ -257,7 +267,16 @@ func (r *reader) handle(m jetstream.Msg) (sseq, pending uint64) {
 			}
 		}
 	}
-	return sseq, pending
+	if r.mapping != nil {
+		detail, err := r.mapping.check(ctx, subject, hdr, device)
+		if err != nil {
+			return sseq, pending, err
+		}
+		if detail != "" && r.note(KindMapping) {
+			r.add(Finding{Kind: KindMapping, Device: device, Seq: seq, StreamSeq: sseq, Detail: detail})
+		}
+	}
+	return sseq, pending, nil
 }
 
 // note counts a finding of kind and reports whether to keep it as an example (then the caller

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // Rate is how fast the audit read the outputs, in messages a second.
@@ -62,10 +63,21 @@ func (r *Report) WriteText(w io.Writer, names subjects.Names) error {
 	if r.OutOfRange > 0 {
 		extra += fmt.Sprintf(" %d messages name sequences outside %s's range and were checked for order only.", r.OutOfRange, in)
 	}
+	switch {
+	case r.MappingOff != "" && r.MappingUnchecked > 0:
+		extra += fmt.Sprintf(" %d messages of %s were not checked against the value they were mapped with: %s.", r.MappingUnchecked, out, r.MappingOff)
+	case r.MappingUnchecked > 0:
+		extra += fmt.Sprintf(" %d messages of %s could not be checked against the value they were mapped with "+
+			"(no %s header, or a revision the groups bucket no longer holds).", r.MappingUnchecked, out, wire.HeaderRevision)
+	}
 	if r.OK() {
+		mapped := ""
+		if r.MappingChecked > 0 {
+			mapped = fmt.Sprintf("%d of %s as the value each was mapped with renders it; ", r.MappingChecked, out)
+		}
 		p("OK: all %s are in %s (%d) or %s (%d), once each; %s, "+
-			"each in order; no stale epoch; %s.%s\n",
-			audited, out, r.Outgoing, unm, r.Unmapped, plural(r.Devices, "device"), speed, extra)
+			"each in order; no stale epoch; %s%s.%s\n",
+			audited, out, r.Outgoing, unm, r.Unmapped, plural(r.Devices, "device"), mapped, speed, extra)
 		return err
 	}
 	p("FAILED: %s against %s (%d read) and %s (%d read), %s; %s.%s\n",
@@ -75,7 +87,7 @@ func (r *Report) WriteText(w io.Writer, names subjects.Names) error {
 		n    uint64
 	}{
 		{KindMissing, r.Missing}, {KindDuplicate, r.Duplicates}, {KindReorder, r.Reorders},
-		{KindStaleEpoch, r.StaleEpochs}, {KindForeign, r.Foreign},
+		{KindStaleEpoch, r.StaleEpochs}, {KindMapping, r.Mappings}, {KindForeign, r.Foreign},
 	} {
 		p("  %-12s %d\n", k.name, k.n)
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -107,11 +108,29 @@ func TestRun(t *testing.T) {
 		t.Errorf("Failover published %d, lost %d; want > 0 and 0", f.Published, f.Lost)
 	}
 
+	// The server maps no direct subjects: the direct run measures every path but the two mapped ones.
+	d := rep.Direct
+	if d == nil {
+		t.Fatal("Run().Direct = nil")
+	}
+	wantPaths := []string{bench.PathStraight, bench.PathStream, bench.PathDirectAll}
+	var got []string
+	for _, p := range d.Paths {
+		got = append(got, p.Name)
+		if p.Errors != 0 || p.Sent == 0 || p.Ack.Samples == 0 || p.Ack.P50 <= 0 || p.Delivery.Samples == 0 ||
+			p.AckedPerSec <= 0 || p.StoredPerSec <= 0 || p.Messages != 2000 {
+			t.Errorf("direct path %+v, want acknowledgements, deliveries and rates of 2000 messages, and no error", p)
+		}
+	}
+	if !slices.Equal(got, wantPaths) || d.Skipped[bench.PathDirectMapped] == "" || d.Skipped[bench.PathDirectProvenance] == "" {
+		t.Errorf("direct paths %v (skipped %v), want %v and the mapped paths skipped on a server without the mapping", got, d.Skipped, wantPaths)
+	}
+
 	var text bytes.Buffer
 	if err := rep.WriteText(&text); err != nil {
 		t.Fatalf("WriteText() error = %v", err)
 	}
-	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", string(bench.Naive), string(bench.RelayCeiling), "targets (issue 10)"} {
+	for _, s := range []string{"THROUGHPUT", "LATENCY", "MAPPING CHANGE", "TABLE", "FAILOVER", "DIRECT MODE", string(bench.Naive), string(bench.RelayCeiling), "targets (issue 10)"} {
 		if !strings.Contains(text.String(), s) {
 			t.Errorf("WriteText() output lacks %q:\n%s", s, text.String())
 		}

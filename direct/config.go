@@ -26,11 +26,12 @@ var (
 	ErrClosed = errors.New("direct: pool closed")
 )
 
-// LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
-// reason (the UNMAPPED reasons of the caller: no mapping, an invalid group) when the device cannot
-// be mapped. It is called once per message from every partition at once: it must be safe for
-// concurrent use and must not block.
-type LookupFunc func(device string) (group string, revision uint64, reason string)
+// LookupFunc returns what device maps with: the values of its KV value that the layout's
+// templates render (decoded with Config.Layout's schema) and that value's revision, or a reason
+// (the UNMAPPED reasons of the caller: no mapping, a value the templates cannot use) when the
+// device cannot be mapped. It is called once per message from every partition at once: it must
+// be safe for concurrent use and must not block.
+type LookupFunc func(device string) subjects.Mapping
 
 // Assignment is one partition handed to [Pool.Run] by its owner.
 type Assignment struct {

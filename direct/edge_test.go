@@ -14,6 +14,7 @@ import (
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
+	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -122,7 +123,7 @@ func TestFullQueueDropsAndGoesOn(t *testing.T) {
 	f.groups.set("dev-1", "g")
 	gate, entered := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	lookup := func(device string) (string, uint64, string) {
+	lookup := func(device string) subjects.Mapping {
 		if device == "dev-1" {
 			once.Do(func() { close(entered); <-gate })
 		}
@@ -172,6 +173,66 @@ func TestFullQueueDropsAndGoesOn(t *testing.T) {
 	}
 }
 
+// The queue's byte bound (QueueBytes, 4 MiB by default) drops as its message bound does: with
+// 512 KiB messages behind a held one, seven fit in 4 MiB (each also counts its subject and reply),
+// the rest are dropped and get no acknowledgement, and the partition goes on.
+func TestFullQueueByBytesDropsAndGoesOn(t *testing.T) {
+	f := newFixture(t, wire.ReceiveMapping)
+	f.groups.set("dev-1", "g")
+	gate, entered := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	lookup := func(device string) subjects.Mapping {
+		if device == "dev-1" {
+			once.Do(func() { close(entered); <-gate })
+		}
+		return f.groups.lookup(device)
+	}
+	a := f.pool("a", lookup, nil) // the default bounds: 16384 messages, 4 MiB
+	f.run(a, direct.Assignment{Partition: partOf("dev-1"), Epoch: 1})
+	payload := make([]byte, 512<<10)
+	var futs []jetstream.PubAckFuture
+	for i := range 20 {
+		fut, err := f.js.PublishAsync("incoming.dev-1.temp", payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		futs = append(futs, fut)
+		if i == 0 {
+			<-entered // the lane is held on the first message: the rest queue up
+		}
+	}
+	natstest.Eventually(t, 30*time.Second, func() error {
+		if st := a.Stats(); st.Dropped+uint64(st.Pending) < 19 {
+			return fmt.Errorf("%d dropped and %d queued of the 19 behind the held message", st.Dropped, st.Pending)
+		}
+		return nil
+	})
+	if st := a.Stats(); st.Pending != 7 || st.Dropped != 12 {
+		t.Errorf("Stats() = %d queued and %d dropped, want 7 queued (4 MiB of 512 KiB messages and their subjects) and 12 dropped", st.Pending, st.Dropped)
+	}
+	close(gate)
+	acked := 0
+	natstest.Eventually(t, 30*time.Second, func() error {
+		for _, fut := range futs {
+			select {
+			case <-fut.Ok():
+				acked++
+			default:
+			}
+		}
+		if acked < 8 {
+			return fmt.Errorf("%d acknowledged", acked)
+		}
+		return nil
+	})
+	if st := a.Stats(); st.Dropped != 12 || acked != 8 {
+		t.Errorf("Stats().Dropped = %d and %d acknowledged, want 12 dropped and 8 (the held one and 7 queued) acknowledged", st.Dropped, acked)
+	}
+	if ack, err := f.js.Publish(context.Background(), "incoming.dev-1.temp", []byte("after")); err != nil || ack.Stream != "OUTGOING" {
+		t.Fatalf("Publish after the overflow = %+v, %v", ack, err)
+	}
+}
+
 // The probes of kvmapper setup reach running owners and are dropped there: nothing stored.
 func TestSetupProbesAreNotForwarded(t *testing.T) {
 	eachReceive(t, func(t *testing.T, f *fixture) {
@@ -182,16 +243,29 @@ func TestSetupProbesAreNotForwarded(t *testing.T) {
 		if err := setup.CheckDirect(ctx, f.js, setup.Config{Layout: f.lay, Mode: wire.ModeDirect, Receive: wire.Receive(f.receive)}); err != nil {
 			t.Fatalf("CheckDirect beside running owners: %v", err)
 		}
-		// A message published after the probes, on the same connection, is forwarded after them.
-		f.groups.set("dev-1", "g")
-		if _, err := f.js.Publish(ctx, "incoming.dev-1.temp", nil); err != nil {
-			t.Fatal(err)
+		// One probe went to each partition. A message published after them on the same
+		// connection to each partition is forwarded after its partition's probe: once all are
+		// acknowledged, every probe has been dealt with.
+		byPart := map[int]string{}
+		for i := 0; len(byPart) < partitions; i++ {
+			if d := fmt.Sprintf("dev-%d", i); byPart[partOf(d)] == "" {
+				byPart[partOf(d)] = d
+				f.groups.set(d, "g")
+			}
+		}
+		for _, d := range byPart {
+			if ack, err := f.js.Publish(ctx, "incoming."+d+".temp", nil); err != nil || ack.Stream != "OUTGOING" {
+				t.Fatalf("Publish(%s) = %+v, %v; want OUTGOING's PubAck", d, ack, err)
+			}
 		}
 		if n := len(f.stream("UNMAPPED")); n != 0 {
 			t.Errorf("UNMAPPED holds %d messages after the probes, want none", n)
 		}
-		if st := p.Stats(); st.Mapped != 1 || len(st.Unmapped) != 0 {
-			t.Errorf("Stats() = %+v after the probes and one message, want 1 mapped", st)
+		if n := len(f.stream("OUTGOING")); n != partitions {
+			t.Errorf("OUTGOING holds %d messages after the probes, want the %d published after them", n, partitions)
+		}
+		if st := p.Stats(); st.Mapped != partitions || len(st.Unmapped) != 0 {
+			t.Errorf("Stats() = %+v after the probes and a message per partition, want %d mapped", st, partitions)
 		}
 	})
 }

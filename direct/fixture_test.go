@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/direct"
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
@@ -28,9 +29,10 @@ const partitions = 16
 // groups is a device → group table for tests, standing in for package kv: each change bumps
 // its revision, as a KV put does.
 type groups struct {
-	mu  sync.RWMutex
-	m   map[string]string
-	rev uint64
+	mu     sync.RWMutex
+	m      map[string]string
+	rev    uint64
+	schema *subjects.Schema // nil: subjects.GroupSchema
 }
 
 func newGroups() *groups { return &groups{m: map[string]string{}} }
@@ -48,18 +50,15 @@ func (g *groups) revision() uint64 {
 	return g.rev
 }
 
-func (g *groups) lookup(device string) (string, uint64, string) {
+func (g *groups) lookup(device string) subjects.Mapping {
 	g.mu.RLock()
-	grp, ok := g.m[device]
-	rev := g.rev
+	v, ok := g.m[device]
+	rev, sc := g.rev, g.schema
 	g.mu.RUnlock()
-	switch {
-	case !ok:
-		return "", 0, wire.ReasonNoMapping
-	case subjects.ValidToken(grp) != nil:
-		return "", rev, wire.ReasonInvalidGroup
+	if !ok {
+		return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 	}
-	return grp, rev, ""
+	return kv.DecodeEntry(sc, []byte(v), rev).Mapping()
 }
 
 // fixture is a server set up for direct mode in one receive mode, and a device's connection.

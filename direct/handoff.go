@@ -61,16 +61,19 @@ func (l *lane) join(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// The previous owner mapped with its table up to ans.revision; mapping with an older one
+	// could send a device back to a group it has left (I4). With no answer (a takeover from a
+	// dead owner, or the first owner) its revision is unknown: the table catches up with the
+	// bucket. Either way the lane has subscribed and announced itself first, so that the
+	// previous owner hands over instead of timing out, and what arrives meanwhile waits here.
+	if rev := l.p.cfg.Revision; rev != nil && (ans == nil || rev() < ans.revision) {
+		if err := l.p.cfg.CatchUp(ctx); err != nil {
+			return err
+		}
+	}
 	if ans != nil {
 		if len(ans.replies) > 0 {
 			l.skip, l.skipUntil = ans.replies, time.Now().Add(l.p.cfg.HandoffTimeout)
-		}
-		// The previous owner mapped with its table up to ans.revision; mapping with an older one
-		// could send a device back to a group it has left (I4).
-		if rev := l.p.cfg.Revision; rev != nil && rev() < ans.revision {
-			if err := l.p.cfg.CatchUp(ctx); err != nil {
-				return err
-			}
 		}
 		l.log.Debug().Int("forwarded_by_previous", len(ans.replies)).Int("held", l.q.len()).
 			Bool("previous_fenced", ans.fenced).Int64("waited_ms", time.Since(start).Round(time.Millisecond).Milliseconds()).Msg("partition taken over")

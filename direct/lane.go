@@ -298,33 +298,53 @@ func (l *lane) handle(m *nats.Msg) {
 		l.p.warn("malformed subject", func(e *zerolog.Event) {
 			e.Str("subject", m.Subject).Err(err).Msg("malformed subject: message goes to UNMAPPED")
 		})
-		l.forward(m, lay.MalformedSubject(), 0, wire.ReasonMalformedSubject)
+		l.forward(m, lay.MalformedSubject(), subjects.Unmappable(wire.ReasonMalformedSubject, "", "", 0))
 		return
 	}
 	dev := l.fields.Device()
 	if strings.HasPrefix(dev, wire.ProbeDevicePrefix) && m.Header.Get(wire.HeaderProbe) != "" {
 		return // kvmapper setup checking where device subjects arrive
 	}
-	group, rev, reason := l.p.lookup(dev)
-	if reason != "" {
+	mp := l.p.lookup(dev)
+	if !mp.Mapped() {
 		l.buf = lay.AppendUnmapped(l.buf[:0], &l.fields)
-		l.forward(m, string(l.buf), rev, reason)
+		l.forward(m, string(l.buf), mp)
 		return
 	}
-	l.buf = lay.AppendOut(l.buf[:0], &l.fields, group)
-	l.forward(m, string(l.buf), rev, "")
+	l.buf = lay.AppendOut(l.buf[:0], &l.fields, mp.Values)
+	l.forward(m, string(l.buf), mp)
 }
 
-// forward publishes m to subject with its reply subject, payload and headers, adding the reason
-// of a dead letter and the provenance headers.
-func (l *lane) forward(m *nats.Msg, subject string, rev uint64, reason string) {
+// forward publishes m to subject with its reply subject, payload and headers, adding the output
+// headers of a mapped message (replacing the device's own of the same names), the reason of a
+// dead letter, and the provenance headers.
+func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
+	rev, reason := mp.Revision, mp.Reason()
 	h := m.Header
-	if h == nil && (reason != "" || l.p.cfg.Provenance) {
+	lay := l.p.cfg.Layout
+	if h == nil && (reason != "" || l.p.cfg.Provenance || lay.NumHeaders() > 0) {
 		h = nats.Header{}
+	}
+	if lay.NumHeaders() > 0 {
+		for k := range h {
+			if lay.IsHeader(k) {
+				delete(h, k)
+			}
+		}
 	}
 	if reason != "" {
 		h[wire.HeaderReason] = []string{reason}
 		h[wire.HeaderSubject] = []string{m.Subject}
+		if d := mp.Detail(); d != "" {
+			h[wire.HeaderError] = []string{d}
+		}
+		if f := mp.Field(); f != "" {
+			h[wire.HeaderField] = []string{f}
+		}
+	} else {
+		for i := range lay.NumHeaders() {
+			h[lay.HeaderName(i)] = []string{string(lay.AppendHeader(l.buf[:0], i, &l.fields, mp.Values))}
+		}
 	}
 	if l.p.cfg.Provenance {
 		h[wire.HeaderPartition], h[wire.HeaderEpoch], h[wire.HeaderRevision] = l.partHdr, l.epochHdr, l.revision(rev)

@@ -59,6 +59,7 @@ var sessions = []struct {
 	{"walkthrough", []string{"README.md", "docs/verify.md", "docs/observe.md", "docs/replay.md"}},
 	{"direct", []string{"docs/modes-and-layouts.md"}},
 	{"parking", []string{"docs/parking.md"}},
+	{"metadata", []string{"docs/metadata.md"}},
 }
 
 const (

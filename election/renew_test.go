@@ -140,6 +140,7 @@ const gatedTTL = 4 * time.Second
 
 // gated is replica "a" owning partition 0 on a connection through a replyGate.
 type gated struct {
+	srv   *natstest.Server
 	gate  *replyGate
 	r     *replica
 	kv    jetstream.KeyValue // the test's own view of the bucket
@@ -151,7 +152,7 @@ func startGated(t *testing.T) *gated {
 	t.Helper()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
-	g := &gated{gate: newReplyGate(" $KV." + bucket + ".lease.0 "), kv: newBucket(t, js), ends: make(chan error, 1)}
+	g := &gated{srv: srv, gate: newReplyGate(" $KV." + bucket + ".lease.0 "), kv: newBucket(t, js), ends: make(chan error, 1)}
 	nc, rjs := srv.JetStream(t, nats.SetCustomDialer(g.gate))
 	leases := make(chan *election.Lease, 1)
 	g.r = runReplica(t, nc, rjs, "a", 1, func(ctx context.Context, l *election.Lease) error {
@@ -268,13 +269,46 @@ func TestRenewalAnswerTimedOut(t *testing.T) {
 // lost: the revision-checked delete conflicts with the holder's own renewal, and it must adopt
 // it and delete the lease rather than leave it to expire.
 func TestReleaseAfterLostRenewalAnswer(t *testing.T) {
-	g := startGated(t)
-	g.loseReply(t)
-	if err := g.r.nc.ForceReconnect(); err != nil {
-		t.Fatalf("ForceReconnect: %v", err)
+	// The release must come before the next renewal (due a second later), which would find the
+	// lost one and adopt it: a wire tap on the lease's subject shows which came first, and a
+	// round the renewal won is run again, up to three.
+	for round := 1; ; round++ {
+		g := startGated(t)
+		tap := g.srv.Connect(t)
+		sub, err := tap.SubscribeSync("$KV." + bucket + ".lease.0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.loseReply(t)
+		// The lost renewal was stored, so routed to the tap before the flush's answer.
+		if err := tap.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			if _, err := sub.NextMsg(0); err != nil {
+				break
+			}
+		}
+		if err := g.r.nc.ForceReconnect(); err != nil {
+			t.Fatalf("ForceReconnect: %v", err)
+		}
+		g.releases(t)
+		if err := tap.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		next, err := sub.NextMsg(time.Second)
+		if err != nil {
+			t.Fatalf("round %d: nothing published on lease.0 after the lost renewal, want the release's delete: %v", round, err)
+		}
+		if op := next.Header.Get("KV-Operation"); op == "DEL" || op == "PURGE" {
+			t.Logf("round %d: the release (%s) came before the next renewal", round, op)
+			return
+		}
+		if round == 3 {
+			t.Fatalf("in %d rounds the next renewal came before the release: the release with the lost answer was never tested", round)
+		}
+		t.Logf("round %d: the next renewal came before the release; again", round)
 	}
-	// The next renewal is due in about a second; the release comes first.
-	g.releases(t)
 }
 
 // TestSameIDWriterIsNotAdopted overwrites a held lease with the holder's own replica id, as

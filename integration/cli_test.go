@@ -22,6 +22,7 @@ func runCLI(t *testing.T, args ...string) (string, string, int) {
 	} else if err != nil {
 		t.Fatalf("running kvmapper %v: %v", args, err)
 	}
+	checkRaces(t, strings.Join(args, " "), errb.String())
 	return out.String(), errb.String(), code
 }
 
@@ -59,7 +60,9 @@ func TestBadFlagValueIsOneLineAndExitCode2(t *testing.T) {
 		"unknown flag":                    {"run", "--no-such-flag"},
 		"bad log format":                  {"run", "--log-format", "xml"},
 		"bad log level":                   {"setup", "--log-level", "loud"},
-		"bad template":                    {"run", "--out", "outgoing.{device}"},
+		"bad template":                    {"run", "--out", "outgoing.{group}.{event}"},
+		"bad header":                      {"run", "--header", "Tenant={tenant"},
+		"reserved header":                 {"run", "--header", "Nats-Msg-Id={tenant}"},
 		"zero partitions":                 {"setup", "--partitions", "0"},
 		"lease ttl fraction":              {"run", "--lease-ttl", "1500ms"},
 		"bad listen":                      {"run", "--embedded", "--listen", "nowhere"},

@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -25,10 +24,9 @@ import (
 // outputs as the page shows them.
 func TestDirectQuickStartEmbedded(t *testing.T) {
 	dir := t.TempDir()
-	port := freePort(t)
-	url := "nats://127.0.0.1:" + strconv.Itoa(port)
-	m := startProcess(t, "embedded", "run", "--embedded", "--mode", "direct", "--listen", "127.0.0.1:"+strconv.Itoa(port),
+	m := startProcess(t, "embedded", "run", "--embedded", "--mode", "direct", "--listen", "127.0.0.1:-1",
 		"--data-dir", dir, "--replica-id", "embedded", "--log-format", "json")
+	url := m.embeddedURL()
 	next := "go tool nats -s " + url + " pub --jetstream incoming.dev-42.temp '{\"celsius\": 21.5}'"
 	natstest.Eventually(t, 30*time.Second, func() error {
 		if !strings.Contains(m.logs.String(), next) {

@@ -21,14 +21,19 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// bin is the kvmapper binary built once for the whole package by TestMain.
+// bin is the kvmapper binary built once for the whole package by TestMain, with the race
+// detector when the tests run with it.
 var bin string
+
+// raceReport starts what the race detector prints when it finds a data race.
+const raceReport = "WARNING: DATA RACE"
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "kvmapper-integration")
@@ -37,7 +42,11 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	bin = filepath.Join(dir, "kvmapper")
-	build := exec.Command("go", "build", "-o", bin, "github.com/kvmapper/kvmapper")
+	args := []string{"build", "-o", bin}
+	if raceBuild {
+		args = append(args, "-race")
+	}
+	build := exec.Command("go", append(args, "github.com/kvmapper/kvmapper")...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "building kvmapper:", err)
@@ -45,7 +54,28 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	os.RemoveAll(dir)
+	if code == 0 {
+		// Every server, client and process a test starts is stopped by its cleanup.
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
 	os.Exit(code)
+}
+
+// checkRaces fails t when a kvmapper process's output holds a race detector's report. A
+// process killed with SIGKILL never exits with the detector's status (66): its report, printed
+// when the race happened, is the only trace.
+func checkRaces(t *testing.T, id, output string) {
+	t.Helper()
+	if i := strings.Index(output, raceReport); i >= 0 {
+		rest := output[i:]
+		if len(rest) > 8<<10 {
+			rest = rest[:8<<10] + "…"
+		}
+		t.Errorf("kvmapper %s: the race detector found a data race:\n%s", id, rest)
+	}
 }
 
 // layout is the default layout every scenario uses.
@@ -211,6 +241,7 @@ func startProcess(t *testing.T, id string, args ...string) *mapper {
 	}()
 	t.Cleanup(func() {
 		m.kill()
+		checkRaces(t, m.id, m.logs.String())
 		if t.Failed() {
 			t.Logf("logs of %s:\n%s", m.id, m.logs.tail(60))
 		}
@@ -227,9 +258,21 @@ func (m *mapper) kill() {
 // stop sends SIGTERM and waits up to 30s for a clean exit.
 func (m *mapper) stop() {
 	m.t.Helper()
+	m.term()
+	m.waitExit()
+}
+
+// term sends SIGTERM.
+func (m *mapper) term() {
+	m.t.Helper()
 	if err := m.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		m.t.Fatalf("SIGTERM %s: %v", m.id, err)
 	}
+}
+
+// waitExit waits up to 30s for a clean exit after SIGTERM.
+func (m *mapper) waitExit() {
+	m.t.Helper()
 	select {
 	case <-m.done:
 	case <-time.After(30 * time.Second):
@@ -404,17 +447,24 @@ func (e *env) readStream(stream string, want int, timeout time.Duration) []jetst
 	return out
 }
 
+// count returns how many messages stream holds. A request that fails (just after a server
+// restart one may time out) is made again, for up to 10 s.
 func (e *env) count(stream string) int {
 	e.t.Helper()
-	s, err := e.js.Stream(context.Background(), stream)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	info, err := s.Info(context.Background())
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	return int(info.State.Msgs)
+	var n int
+	natstest.Eventually(e.t, 10*time.Second, func() error {
+		s, err := e.js.Stream(context.Background(), stream)
+		if err != nil {
+			return fmt.Errorf("reading stream %s: %w", stream, err)
+		}
+		info, err := s.Info(context.Background())
+		if err != nil {
+			return fmt.Errorf("reading stream %s: %w", stream, err)
+		}
+		n = int(info.State.Msgs)
+		return nil
+	})
+	return n
 }
 
 // perDevice splits msgs by device (the payload's prefix) and checks that each device's numbers

@@ -42,7 +42,6 @@ func outgoingLeaderChanges(t *testing.T, sl subjects.StreamLayout) {
 	for i := range stepDowns {
 		var w window
 		n := e.inFlightDuring(func() { w = e.stepDown(nc, e.names.Outgoing, -1) })
-		w.reorders = false // nothing may be reordered
 		windows = append(windows, w)
 		if n > 0 {
 			struck++

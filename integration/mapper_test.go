@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 func TestSetupIsIdempotentAndRefusesAMismatch(t *testing.T) {
@@ -197,10 +197,26 @@ func TestRestartingTheMapperResumesFromTheCheckpoint(t *testing.T) {
 		ld.publish(devs, 100)
 		first := ld.total()
 		w := e.tapWire()
-		m1 := e.startMapper("m1")
-		// SIGTERM the moment the mapper has sent 2000 of the backlog: mid-stream.
-		w.await(2000, 60*time.Second)
-		m1.stop() // drains what is in flight and writes the final checkpoints
+		// Mid-stream by construction: m1 reaches the server through a proxy that forwards its
+		// first 2000 publishes to OUTGOING and holds the next, until m1 has begun its graceful
+		// stop; then what it held goes through, and m1 drains it and writes its final
+		// checkpoints. With 64 publishes in flight at most, m1 then stops inside every
+		// partition it was mapping (about 625 messages each).
+		px := newProxy(t, "127.0.0.1:"+strconv.Itoa(e.srv.Port()))
+		px.HoldAfter("outgoing.", 2000)
+		m1 := e.startMapper("m1", "--server", px.URL(), "--max-in-flight", "64")
+		if n, _ := px.WaitHeld(1, 60*time.Second); n == 0 {
+			t.Fatal("m1 sent nothing beyond its first 2000 publishes within 60s")
+		}
+		m1.term()
+		natstest.Eventually(t, 30*time.Second, func() error {
+			if _, err := e.ctl.Get(context.Background(), wire.MemberKey("m1")); err == nil {
+				return errors.New("m1 has not begun to leave (its member key is there)")
+			}
+			return nil
+		})
+		px.Release()
+		m1.waitExit() // drains what is in flight and writes the final checkpoints
 		mapped1, dup1 := m1.stoppedStats()
 		w.marker()          // every publish of m1 is recorded
 		m1Sent := w.count() // m2 sends the publishes recorded after these
@@ -389,10 +405,9 @@ func TestQuickStartEmbedded(t *testing.T) {
 // replica and returns its logs.
 func quickStart(t *testing.T, dir, layout string, extra ...string) *logBuf {
 	t.Helper()
-	port := freePort(t)
-	url := "nats://127.0.0.1:" + strconv.Itoa(port)
-	args := append([]string{"run", "--embedded", "--listen", "127.0.0.1:" + strconv.Itoa(port), "--data-dir", dir, "--log-format", "json"}, extra...)
+	args := append([]string{"run", "--embedded", "--listen", "127.0.0.1:-1", "--data-dir", dir, "--log-format", "json"}, extra...)
 	m := startProcess(t, "embedded", args...)
+	url := m.embeddedURL()
 	natstest.Eventually(t, 30*time.Second, func() error {
 		if !strings.Contains(m.logs.String(), "go tool nats -s "+url+" kv put device-groups dev-42 group-a") {
 			return fmt.Errorf("next steps not printed yet")
@@ -461,12 +476,14 @@ func waitAtLeast(t *testing.T, e *env, stream string, n int) {
 	})
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+// embeddedURL is the URL of the embedded server of `kvmapper run --embedded --listen
+// 127.0.0.1:-1`, as it logs it: the server picks a free port, so that no port is reserved by
+// closing a listener, which races with other servers starting.
+func (m *mapper) embeddedURL() string {
+	m.t.Helper()
+	url, _ := m.waitLog("embedded NATS server with JetStream started", 30*time.Second)["url"].(string)
+	if url == "" {
+		m.t.Fatalf("%s logged no url for its embedded server", m.id)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return url
 }

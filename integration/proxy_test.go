@@ -31,6 +31,12 @@ type proxy struct {
 	heldPubs int               // publishes to prefix among them
 	holding  map[net.Conn]bool // the client connections whose input is held
 	conns    map[net.Conn]bool // every connection, both sides
+	// kept holds, per client connection, the publishes held, for Release; to, the server
+	// side each is forwarded to; wmu, the lock of each forward, so that Release's write of
+	// what was held and the forward's own writes do not interleave.
+	kept map[net.Conn][]byte
+	to   map[net.Conn]net.Conn
+	wmu  map[net.Conn]*sync.Mutex
 }
 
 // newProxy listens on a loopback port and forwards every connection to target (host:port).
@@ -40,7 +46,8 @@ func newProxy(t *testing.T, target string) *proxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &proxy{t: t, ln: ln, target: target, conns: map[net.Conn]bool{}, holding: map[net.Conn]bool{}}
+	p := &proxy{t: t, ln: ln, target: target, conns: map[net.Conn]bool{}, holding: map[net.Conn]bool{},
+		kept: map[net.Conn][]byte{}, to: map[net.Conn]net.Conn{}, wmu: map[net.Conn]*sync.Mutex{}}
 	p.cond = sync.NewCond(&p.mu)
 	go p.accept()
 	t.Cleanup(func() {
@@ -66,6 +73,7 @@ func (p *proxy) accept() {
 		}
 		p.mu.Lock()
 		p.conns[c], p.conns[s] = true, true
+		p.to[c], p.wmu[c] = s, &sync.Mutex{}
 		p.mu.Unlock()
 		go func() {
 			_, _ = io.Copy(c, s)
@@ -84,14 +92,19 @@ func (p *proxy) forward(s, c net.Conn) {
 	buf := make([]byte, 32<<10)
 	var sc pubScan
 	var out []byte
+	p.mu.Lock()
+	wmu := p.wmu[c]
+	p.mu.Unlock()
 	for {
 		n, err := c.Read(buf)
 		if n > 0 {
 			out = out[:0]
+			wmu.Lock()
 			p.mu.Lock()
 			sc.prefix = p.prefix
 			sc.feed(buf[:n], func(seg []byte, pub, end bool) {
 				if pub && p.holding[c] {
+					p.kept[c] = append(p.kept[c], seg...)
 					p.held += len(seg)
 					if end {
 						p.heldPubs++
@@ -109,10 +122,13 @@ func (p *proxy) forward(s, c net.Conn) {
 				}
 			})
 			p.mu.Unlock()
+			var werr error
 			if len(out) > 0 {
-				if _, werr := s.Write(out); werr != nil {
-					return
-				}
+				_, werr = s.Write(out)
+			}
+			wmu.Unlock()
+			if werr != nil {
+				return
 			}
 		}
 		if err != nil {
@@ -128,6 +144,8 @@ func (p *proxy) close(conns ...net.Conn) {
 		c.Close()
 		delete(p.conns, c)
 		delete(p.holding, c)
+		delete(p.kept, c)
+		delete(p.to, c)
 	}
 }
 
@@ -138,6 +156,42 @@ func (p *proxy) HoldAfter(prefix string, n int) {
 	defer p.mu.Unlock()
 	clear(p.holding)
 	p.prefix, p.after, p.held, p.heldPubs = []byte(prefix), n, 0, 0
+}
+
+// Release forwards what is held, in the order it was sent, and holds nothing from then on: a
+// delay on the way, not a loss. (What the clients sent besides went through meanwhile.)
+func (p *proxy) Release() {
+	p.mu.Lock()
+	p.after = 0
+	var held []net.Conn
+	for c := range p.holding {
+		if p.to[c] != nil {
+			held = append(held, c)
+		}
+	}
+	p.mu.Unlock()
+	for _, c := range held {
+		p.mu.Lock()
+		wmu := p.wmu[c]
+		p.mu.Unlock()
+		if wmu == nil {
+			continue
+		}
+		// Under the connection's forward lock: nothing it sends later can overtake what was held.
+		wmu.Lock()
+		p.mu.Lock()
+		data, s := p.kept[c], p.to[c]
+		delete(p.kept, c)
+		delete(p.holding, c)
+		p.mu.Unlock()
+		if s != nil && len(data) > 0 {
+			_, _ = s.Write(data)
+		}
+		wmu.Unlock()
+	}
+	p.mu.Lock()
+	clear(p.holding)
+	p.mu.Unlock()
 }
 
 // WaitHeld waits until the proxy holds at least n publishes to HoldAfter's subjects, or timeout

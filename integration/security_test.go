@@ -93,6 +93,8 @@ var (
 			"$JS.API.STREAM.INFO.KV_kvmapper", "$JS.API.DIRECT.GET.KV_kvmapper.$KV.kvmapper.layout",
 			"$JS.API.CONSUMER.CREATE.OUTGOING.>", "$JS.API.CONSUMER.MSG.NEXT.OUTGOING.*", "$JS.API.CONSUMER.DELETE.OUTGOING.*",
 			"$JS.API.CONSUMER.CREATE.UNMAPPED.>", "$JS.API.CONSUMER.MSG.NEXT.UNMAPPED.*", "$JS.API.CONSUMER.DELETE.UNMAPPED.*",
+			// The mapping check: each revision OUTGOING's messages name, read by sequence.
+			"$JS.API.STREAM.INFO.KV_device-groups", "$JS.API.DIRECT.GET.KV_device-groups",
 		},
 		Subscribe: []string{"_INBOX.>"},
 	}
@@ -181,6 +183,9 @@ func TestSecurityLeastPrivilegeEndToEnd(t *testing.T) {
 		out, errOut, code := runCLI(t, append([]string{cmd, "--server", e.srv.URL(), "--log-format", "json"}, as(cmd)...)...)
 		if code != 0 || strings.Contains(errOut, "permissions violation") {
 			t.Errorf("kvmapper %s with %sGrants: exit %d, want 0 and no violation:\n%s%s", cmd, cmd, code, out, errOut)
+		}
+		if cmd == "verify" && !strings.Contains(out, "as the value each was mapped with renders it") {
+			t.Errorf("kvmapper verify with verifyGrants checked no message against its value:\n%s%s", out, errOut)
 		}
 	}
 	m.stop() // releasing partitions: final checkpoints, lease and member deletes

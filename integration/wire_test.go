@@ -32,13 +32,7 @@ type wireTap struct {
 	mu     sync.Mutex
 	msgs   []*nats.Msg // in arrival order, markers included
 	sent   int         // publishes recorded, markers excluded
-	waits  []wireWait
 	closed chan struct{}
-}
-
-type wireWait struct {
-	n  int
-	ch chan struct{}
 }
 
 // tapWire starts recording; it stops with t.Cleanup.
@@ -86,40 +80,6 @@ func (w *wireTap) record(m *nats.Msg) {
 		return
 	}
 	w.sent++
-	kept := w.waits[:0]
-	for _, wt := range w.waits {
-		if w.sent >= wt.n {
-			close(wt.ch)
-		} else {
-			kept = append(kept, wt)
-		}
-	}
-	w.waits = kept
-}
-
-// reached returns a channel closed once n publishes have been recorded.
-func (w *wireTap) reached(n int) <-chan struct{} {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	ch := make(chan struct{})
-	if w.sent >= n {
-		close(ch)
-	} else {
-		w.waits = append(w.waits, wireWait{n, ch})
-	}
-	return ch
-}
-
-// await waits until n publishes have been recorded.
-func (w *wireTap) await(n int, timeout time.Duration) {
-	w.t.Helper()
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	select {
-	case <-w.reached(n):
-	case <-t.C:
-		w.t.Fatalf("%d publishes on the wire after %v, want %d", w.count(), timeout, n)
-	}
 }
 
 func (w *wireTap) count() int {

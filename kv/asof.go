@@ -65,7 +65,8 @@ type keyHistory struct {
 // AsOf rebuilds the table of bucket as it was at revision rev (0: before the first write, an
 // empty table) from the bucket's history: it reads the bucket's stream, KV_<bucket>, from its
 // first message to its last, and applies every write up to rev, as a watch would have. Values are
-// checked as [Table] checks them (Entry.Invalid for a value that is not one valid subject token).
+// decoded and checked with schema (nil: subjects.GroupSchema) as a [Table] with that schema does
+// (Entry.Invalid for a value its templates cannot use).
 //
 // A bucket keeps History values per key, so the value a key had at rev may be gone. AsOf tells
 // which keys: those whose every write the stream still holds comes after rev, when the key has
@@ -79,7 +80,7 @@ type keyHistory struct {
 // AsOf returns an error wrapping [ErrFutureRevision] for a revision beyond the bucket's last,
 // and one wrapping jetstream.ErrBucketNotFound when the bucket does not exist. It blocks while it
 // reads; ctx bounds it.
-func AsOf(ctx context.Context, js jetstream.JetStream, bucket string, rev uint64) (*Snapshot, error) {
+func AsOf(ctx context.Context, js jetstream.JetStream, bucket string, rev uint64, schema *subjects.Schema) (*Snapshot, error) {
 	stream := subjects.BucketStream(bucket)
 	s, err := js.Stream(ctx, stream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -121,12 +122,7 @@ func AsOf(ctx context.Context, js jetstream.JetStream, bucket string, rev uint64
 			h.atOK = true
 			h.atGone = removes(hdr)
 			if !h.atGone {
-				v := trimNewlines(m.Data())
-				valid := subjects.IsValidToken(string(v))
-				h.at = Entry{Revision: seq, Invalid: !valid}
-				if valid {
-					h.at.Group = string(v)
-				}
+				h.at = DecodeEntry(schema, m.Data(), seq)
 			}
 		})
 		if err != nil {

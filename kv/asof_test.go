@@ -16,7 +16,7 @@ func asOf(t *testing.T, js jetstream.JetStream, rev uint64) *kv.Snapshot {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
-	s, err := kv.AsOf(ctx, js, "device-groups", rev)
+	s, err := kv.AsOf(ctx, js, "device-groups", rev, nil)
 	if err != nil {
 		t.Fatalf("AsOf(%d): %v", rev, err)
 	}
@@ -25,7 +25,7 @@ func asOf(t *testing.T, js jetstream.JetStream, rev uint64) *kv.Snapshot {
 
 func wantEntry(t *testing.T, s *kv.Snapshot, device string, want kv.Entry) {
 	t.Helper()
-	if got, ok := s.Lookup(device); !ok || got != want {
+	if got, ok := s.Lookup(device); !ok || !sameEntry(got, want) {
 		t.Errorf("as of %d: Lookup(%s) = %+v, %v; want %+v, true", s.Revision, device, got, ok, want)
 	}
 }
@@ -71,11 +71,11 @@ func TestAsOfRevisions(t *testing.T) {
 	if s.Len() != 2 {
 		t.Errorf("as of 5: %d devices, want 2", s.Len())
 	}
-	_, err = kv.AsOf(ctx, js, "device-groups", 6)
+	_, err = kv.AsOf(ctx, js, "device-groups", 6, nil)
 	if !errors.Is(err, kv.ErrFutureRevision) {
 		t.Errorf("AsOf(6) = %v, want ErrFutureRevision", err)
 	}
-	_, err = kv.AsOf(ctx, js, "nope", 1)
+	_, err = kv.AsOf(ctx, js, "nope", 1, nil)
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
 		t.Errorf("AsOf on a missing bucket = %v, want ErrBucketNotFound", err)
 	}

@@ -3,15 +3,18 @@ package kv_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/kv"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 const benchDevices = 1_000_000
@@ -94,21 +97,135 @@ func BenchmarkLookup(b *testing.B) {
 	})
 }
 
-// BenchmarkMemory reports the heap the table holds per device, key strings included.
+// BenchmarkMemory reports the heap the table holds per device, key strings included: with a
+// group as the value (today's deployments), and with a three-field JSON value that the out
+// template and a header use, shared by many devices (a fleet routed on groups, regions and
+// tenants) or different for every device (a field that names the device).
+//
+//	go test -run '^$' -bench Memory -benchtime 1x ./kv/
 func BenchmarkMemory(b *testing.B) {
 	ids := deviceIDs(benchDevices)
-	for b.Loop() {
-		var before, after runtime.MemStats
-		runtime.GC()
-		runtime.ReadMemStats(&before)
-		tb := loadedTable(b, ids)
-		runtime.GC()
-		runtime.ReadMemStats(&after)
-		if tb.Len() != benchDevices {
-			b.Fatalf("Len() = %d, want %d", tb.Len(), benchDevices)
+	for _, c := range []struct {
+		name   string
+		schema *subjects.Schema
+		value  func(i int) string
+	}{
+		{"group", nil, func(i int) string { return fmt.Sprintf("group-%d", i%100) }},
+		{"three-fields-shared", benchLayout(b).Schema(), func(i int) string {
+			return fmt.Sprintf(`{"group":"group-%d","region":"region-%d","tenant":"tenant-%d"}`, i%100, i%5, i%20)
+		}},
+		{"three-fields-unique", benchLayout(b).Schema(), func(i int) string {
+			return fmt.Sprintf(`{"group":"group-%d","region":"region-%d","tenant":"tenant-%07d"}`, i%100, i%5, i)
+		}},
+	} {
+		values := make([]string, len(ids))
+		for i := range values {
+			values[i] = c.value(i)
 		}
-		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/benchDevices, "B/device")
-		runtime.KeepAlive(tb)
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				var before, after runtime.MemStats
+				runtime.GC()
+				runtime.ReadMemStats(&before)
+				tb := kv.NewUnbound(kv.Config{Schema: c.schema})
+				for i, id := range ids {
+					tb.PutForTest(id, values[i], uint64(i+1))
+				}
+				runtime.GC()
+				runtime.ReadMemStats(&after)
+				if tb.Len() != benchDevices || len(tb.Invalid()) != 0 {
+					b.Fatalf("Len() = %d, Invalid() = %v; want %d valid", tb.Len(), tb.Invalid(), benchDevices)
+				}
+				b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/benchDevices, "B/device")
+				runtime.KeepAlive(tb)
+			}
+		})
+	}
+}
+
+// benchLayout routes on three fields of the value and carries one in a header.
+func benchLayout(b testing.TB) *subjects.Layout {
+	l, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{region}.{tenant}.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if l, err = l.WithHeaders([]string{"Tenant={tenant}"}); err != nil {
+		b.Fatal(err)
+	}
+	return l
+}
+
+// BenchmarkLookupRender is what the hot path does per message to map it, as the lanes do it:
+// parse the INCOMING subject, look the device up (Table.Mapping), render the output subject and
+// the output headers. "group" is today's deployment (a group as the value, the default
+// templates); "three-fields" routes on region, tenant and group of a JSON value and carries the
+// tenant in a header. On a table of 1M devices, taken in a shuffled order as messages of many
+// devices come (memory-bound: a cache miss or two per lookup), and of 10k devices (in the
+// caches: the CPU cost alone). kv/testdata/lookup_render_before_issue23.go.txt is the same loop
+// for the code before values could be JSON (see BENCHMARKS.md).
+//
+//	go test -run '^$' -bench LookupRender -count 10 ./kv/
+func BenchmarkLookupRender(b *testing.B) {
+	def, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, n := range []int{benchDevices, 10_000} {
+		b.Run(fmt.Sprintf("devices=%d", n), func(b *testing.B) {
+			ids := deviceIDs(n)
+			stored := make([]string, len(ids))
+			order := make([]int, len(ids))
+			for i, id := range ids {
+				stored[i] = fmt.Sprintf("incoming.%d.%s.temp", subjects.Partition(id, 16), id)
+				order[i] = i
+			}
+			rand.New(rand.NewPCG(1, 2)).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			for _, c := range []struct {
+				name  string
+				lay   *subjects.Layout
+				value func(i int) string
+			}{
+				{"group", def, func(i int) string { return fmt.Sprintf("group-%d", i%100) }},
+				{"three-fields", benchLayout(b), func(i int) string {
+					return fmt.Sprintf(`{"group":"group-%d","region":"region-%d","tenant":"tenant-%d"}`, i%100, i%5, i%20)
+				}},
+			} {
+				b.Run(c.name, func(b *testing.B) {
+					tb := kv.NewUnbound(kv.Config{Schema: c.lay.Schema()})
+					for i, id := range ids {
+						tb.PutForTest(id, c.value(i), uint64(i+1))
+					}
+					var f subjects.Fields
+					buf := make([]byte, 0, 256)
+					var hdr [subjects.MaxHeaders]string
+					b.ReportAllocs()
+					i := 0
+					for b.Loop() {
+						if err := c.lay.Parse(stored[order[i]], &f); err != nil {
+							b.Fatal(err)
+						}
+						e := tb.Mapping(f.Device()) // what the lanes and direct mode call
+						if !e.Mapped() {
+							b.Fatalf("Mapping(%s) = %+v", f.Device(), e)
+						}
+						buf = c.lay.AppendOut(buf[:0], &f, e.Values)
+						for h := range c.lay.NumHeaders() { // as the lanes do
+							if v, ok := c.lay.HeaderString(h, e.Values); ok {
+								hdr[h] = v
+								continue
+							}
+							from := len(buf)
+							buf = c.lay.AppendHeader(buf, h, &f, e.Values)
+							hdr[h] = unsafe.String(&buf[from], len(buf)-from)
+						}
+						if i++; i == len(order) {
+							i = 0
+						}
+					}
+					runtime.KeepAlive(hdr)
+				})
+			}
+		})
 	}
 }
 

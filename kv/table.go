@@ -1,6 +1,7 @@
 package kv
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"hash/maphash"
@@ -14,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/ratelog"
+	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // ErrInvalidConfig is wrapped by the error [New] returns for an unusable argument.
@@ -36,6 +38,10 @@ type Config struct {
 	// CheckInterval is how often Run asks the server whether the bucket still exists and the
 	// watcher keeps up with it; nats.go alone notices neither for 10–20 s. Default 1s.
 	CheckInterval time.Duration
+	// Schema says what the templates need of a device's value (subjects.Layout.Schema): each
+	// value is decoded and checked against it once, when the table reads it. Default
+	// subjects.GroupSchema: {group}, one subject token.
+	Schema *subjects.Schema
 }
 
 // Update describes one change applied to a [Table], as passed to [Config.OnUpdate].
@@ -46,24 +52,40 @@ type Update struct {
 	Initial bool // the change belongs to a watch's initial values, not a live update
 }
 
-// Entry is what the table holds for one device.
+// Entry is what the table holds for one device: the value decoded by the table's schema, or why
+// the templates cannot use it.
 type Entry struct {
-	Group    string // valid group token, or "" when Invalid
+	// Values are the fields the templates use (see subjects.Schema); empty when Invalid.
+	Values subjects.Values
+	// Group is the field {group}, when the templates use it; "" when Invalid.
+	Group    string
 	Revision uint64 // KV revision of the value
-	Invalid  bool   // the value is not one valid subject token (see subjects.IsValidToken)
+	// Invalid is set when the templates cannot use the value; Reason, Field and Detail say why.
+	Invalid bool
+	// Reason is one of wire.ValueReasons: wire.ReasonInvalidGroup for a plain value that is not
+	// one valid subject token, wire.ReasonInvalidValue, ReasonMissingField or ReasonInvalidField
+	// for a JSON one.
+	Reason string
+	Field  string // the field at fault; "" when the value as a whole is
+	Detail string // what is wrong, for people
 }
 
 // numShards must be a power of two. 256 locks keep 16 concurrent readers (and the one writer)
 // mostly on different cache lines while costing only 16 KiB.
 const numShards = 256
 
-// slot is what a shard map stores per device: 16 bytes with no pointers. group indexes Table.groups; 0 means invalid. gen is the watch generation that last
-// wrote the slot, used to sweep devices that disappeared while the watch was down.
+// slot is what a shard map stores per device: 16 bytes with no pointers. rec indexes
+// Table.records, with invalidRec set when the record says why the value is unusable. gen is the
+// watch generation that last wrote the slot, used to sweep devices that disappeared while the
+// watch was down.
 type slot struct {
-	rev   uint64
-	group uint32
-	gen   uint32
+	rev uint64
+	rec uint32
+	gen uint32
 }
+
+// invalidRec marks, in slot.rec, the index of a record of an unusable value.
+const invalidRec = 1 << 31
 
 // shortKey holds a device id of up to shortKeyMax bytes inline, its length in the last byte.
 // Keeping ids inside the map slot saves a pointer chase (a second cache miss) per Lookup in a
@@ -90,8 +112,6 @@ type shard struct {
 	_     [64 - unsafe.Sizeof(sync.RWMutex{}) - 16]byte // one shard per cache line
 }
 
-func (s *shard) len() int { return len(s.short) + len(s.long) }
-
 // get must be called with s.mu held.
 func (s *shard) get(device string) (slot, bool) {
 	if k, ok := makeShortKey(device); ok {
@@ -110,8 +130,11 @@ func (s *shard) get(device string) (slot, bool) {
 // per-shard lock gives readers the same guarantee (an entry is never seen half-applied, and
 // readers get a copy, never a reference into the table) with zero allocations and little
 // contention, since 16 readers rarely meet on one of 256 locks. Each entry is 16 bytes
-// (revision, interned group index, watch generation) plus its key; group names are interned in
-// an append-only slice published through an atomic pointer.
+// (revision, record index, watch generation) plus its key. The records are the decoded values
+// (subjects.Values), or what is wrong with them, interned: devices with the same value share
+// one, so that a fleet routed on a few groups, regions and tenants costs no more per device
+// than one routed on a group alone. A record lives in a slice published through an atomic
+// pointer, counted by the devices using it, and its index is reused once none does.
 type Table struct {
 	bucket     jetstream.KeyValue
 	log        zerolog.Logger
@@ -122,12 +145,18 @@ type Table struct {
 
 	seed   maphash.Seed
 	shards [numShards]shard
-	// groups is append-only; index 0 is the invalid group "". The writer appends in place
+	schema *subjects.Schema
+	group  int // schema.Group()
+	// records holds each record in its packed form (see record). The writer appends in place
 	// (or into a fresh array) before publishing the longer header, so a reader never indexes
-	// past the header it loaded.
-	groups atomic.Pointer[[]string]
-	n      atomic.Int64
-	rev    atomic.Uint64
+	// past the header it loaded; it writes an index again only once no slot refers to it, and
+	// a reader reads a record under the lock of the shard whose slot gave it the index, so
+	// that a reused index is never read for the record it held before.
+	records atomic.Pointer[[]string]
+	// invalid counts the devices with an unusable value, by reason (wire.ValueReasons order).
+	invalid [4]atomic.Int64
+	n       atomic.Int64
+	rev     atomic.Uint64
 	// watchRev is the highest revision the current watcher delivered, for the stall check.
 	watchRev atomic.Uint64
 	// loaded is the last completed load, nil before the first; CatchUp compares with it.
@@ -144,10 +173,13 @@ type Table struct {
 	// goroutine; successive ones are ordered by the WaitGroup that waits for each.
 	stalledAt uint64
 
-	// Owned by the goroutine running Run.
-	intern  map[string]uint32
+	// Owned by the writer: the goroutine running Run.
+	intern  map[string]uint32 // packed record → index
+	refs    []uint32          // by record index: the slots referring to it
+	free    []uint32          // record indexes no slot refers to
+	scratch []byte            // the record being decoded
 	gen     uint32
-	invalid ratelog.Limiter // one warning a second about invalid values
+	warn    ratelog.Limiter // one warning a second about invalid values
 }
 
 // New returns a Table for bucket. It does no I/O: call [Table.Run] to load and watch the bucket.
@@ -182,6 +214,7 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 		retryMax:   cfg.RetryMax,
 		checkEvery: cfg.CheckInterval,
 		seed:       maphash.MakeSeed(),
+		schema:     cmp.Or(cfg.Schema, subjects.GroupSchema),
 		ready:      make(chan struct{}),
 		intern:     make(map[string]uint32),
 	}
@@ -189,8 +222,9 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 		t.shards[i].short = make(map[shortKey]slot)
 		t.shards[i].long = make(map[string]slot)
 	}
-	groups := []string{""}
-	t.groups.Store(&groups)
+	t.group = t.schema.Group()
+	var records []string
+	t.records.Store(&records)
 	return t
 }
 
@@ -200,21 +234,43 @@ func newTable(bucket jetstream.KeyValue, cfg Config) *Table {
 func (t *Table) Ready() <-chan struct{} { return t.ready }
 
 // Lookup returns the device's entry; ok is false when the device has no key (never put, deleted
-// or purged). An invalid value gives ok true with Invalid set.
+// or purged). A value the templates cannot use gives ok true with Invalid set.
 // Safe for concurrent use; zero allocations.
 func (t *Table) Lookup(device string) (e Entry, ok bool) {
 	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
 	s.mu.RLock()
 	v, ok := s.get(device)
+	var rec string
+	if ok {
+		// Under the lock: the writer reuses an index only once no slot refers to it.
+		rec = (*t.records.Load())[v.rec&^invalidRec]
+	}
 	s.mu.RUnlock()
 	if !ok {
 		return Entry{}, false
 	}
-	if v.group == 0 {
-		return Entry{Revision: v.rev, Invalid: true}, true
+	return t.entry(rec, v.rec&invalidRec != 0, v.rev), true
+}
+
+// Mapping is [Table.Lookup] as the lanes and direct mode take it, without the entry's group: the
+// device's values and revision, or the reason, field and detail of its unusable value, or
+// [wire.ReasonNoMapping] when the device has no key. Safe for concurrent use; zero allocations.
+func (t *Table) Mapping(device string) subjects.Mapping {
+	s := &t.shards[maphash.String(t.seed, device)&(numShards-1)]
+	s.mu.RLock()
+	v, ok := s.get(device)
+	var rec string
+	if ok {
+		rec = (*t.records.Load())[v.rec&^invalidRec] // under the lock, as in Lookup
 	}
-	// The index was written after the group was published, and the shard lock orders the two.
-	return Entry{Group: (*t.groups.Load())[v.group], Revision: v.rev}, true
+	s.mu.RUnlock()
+	switch {
+	case !ok:
+		return noMapping
+	case v.rec&invalidRec != 0:
+		return subjects.Faulted(rec[1:], v.rev)
+	}
+	return subjects.Mapping{Values: subjects.ValuesOf(rec), Revision: v.rev}
 }
 
 // Len returns the number of devices in the table, invalid ones included.
@@ -230,63 +286,52 @@ func (t *Table) shard(device string) *shard {
 	return &t.shards[maphash.String(t.seed, device)&(numShards-1)]
 }
 
-// groupIndex returns the interned index of group, adding it if new. Only the writer calls it.
-func (t *Table) groupIndex(group []byte) uint32 {
-	if i, ok := t.intern[string(group)]; ok {
-		return i
-	}
-	g := string(group)
-	groups := *t.groups.Load()
-	i := uint32(len(groups))
-	groups = append(groups, g)
-	t.groups.Store(&groups)
-	t.intern[g] = i
-	return i
-}
-
-// put stores device → group (or invalid when group is nil) and reports the stored entry.
-func (t *Table) put(device string, group []byte, valid bool, rev uint64) Entry {
-	var idx uint32
-	if valid {
-		idx = t.groupIndex(group)
-	}
+// put stores device's value, written at revision rev, and reports the stored entry.
+func (t *Table) put(device string, value []byte, rev uint64) Entry {
+	rec, e := t.record(value, rev)
 	s := t.shard(device)
 	s.mu.Lock()
-	before := s.len()
-	v := slot{rev: rev, group: idx, gen: t.gen}
+	v := slot{rev: rev, rec: rec, gen: t.gen}
+	var old slot
+	var existed bool
 	if k, ok := makeShortKey(device); ok {
+		old, existed = s.short[k]
 		s.short[k] = v
 	} else {
+		old, existed = s.long[device]
 		// Cloned on every write: map assignment replaces a string key, and the watcher's key
 		// is a substring of the whole message subject.
 		s.long[strings.Clone(device)] = v
 	}
-	// Counted under the shard's lock: a Lookup that sees the device sees it counted in Len.
-	t.n.Add(int64(s.len() - before))
-	s.mu.Unlock()
-	t.bumpRevision(rev)
-	if !valid {
-		return Entry{Revision: rev, Invalid: true}
+	if !existed {
+		// Counted under the shard's lock: a Lookup that sees the device sees it counted in Len.
+		t.n.Add(1)
 	}
-	return Entry{Group: (*t.groups.Load())[idx], Revision: rev}
+	s.mu.Unlock()
+	if existed {
+		t.release(old.rec)
+	}
+	t.bumpRevision(rev)
+	return e
 }
 
 // remove deletes device and reports whether it was present.
 func (t *Table) remove(device string, rev uint64) bool {
 	s := t.shard(device)
 	s.mu.Lock()
-	_, existed := s.get(device)
+	old, existed := s.get(device)
 	if existed {
 		if k, ok := makeShortKey(device); ok {
 			delete(s.short, k)
 		} else {
 			delete(s.long, device)
 		}
-	}
-	if existed {
 		t.n.Add(-1) // under the lock: a Lookup that no longer sees the device sees Len without it
 	}
 	s.mu.Unlock()
+	if existed {
+		t.release(old.rec)
+	}
 	t.bumpRevision(rev)
 	return existed
 }
@@ -295,25 +340,29 @@ func (t *Table) remove(device string, rev uint64) bool {
 // the watch was down with their markers gone, or all of them if the bucket was recreated.
 func (t *Table) sweep() int {
 	var gone []string
+	var recs []uint32
 	total := 0
 	for i := range t.shards {
 		s := &t.shards[i]
-		gone = gone[:0]
+		gone, recs = gone[:0], recs[:0]
 		s.mu.Lock()
 		for k, v := range s.short {
 			if v.gen != t.gen {
 				delete(s.short, k)
-				gone = append(gone, k.String())
+				gone, recs = append(gone, k.String()), append(recs, v.rec)
 			}
 		}
 		for k, v := range s.long {
 			if v.gen != t.gen {
 				delete(s.long, k)
-				gone = append(gone, k)
+				gone, recs = append(gone, k), append(recs, v.rec)
 			}
 		}
 		t.n.Add(-int64(len(gone)))
 		s.mu.Unlock()
+		for _, r := range recs {
+			t.release(r)
+		}
 		total += len(gone)
 		if t.onUpdate != nil {
 			for _, k := range gone {

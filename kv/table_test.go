@@ -17,6 +17,8 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/kv"
+	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 const wait = 10 * time.Second
@@ -78,11 +80,26 @@ func put(t testing.TB, b jetstream.KeyValue, key, value string) uint64 {
 	return rev
 }
 
-// hasEntry returns nil once Lookup(device) returns want.
+// sameEntry reports whether got is want: the same group, revision and validity, the reason when
+// want names one, and, for a valid entry of the default schema, Values holding the group alone.
+func sameEntry(got, want kv.Entry) bool {
+	if got.Group != want.Group || got.Revision != want.Revision || got.Invalid != want.Invalid {
+		return false
+	}
+	if want.Reason != "" && (got.Reason != want.Reason || got.Field != want.Field) {
+		return false
+	}
+	if got.Invalid {
+		return got.Values == (subjects.Values{}) && got.Reason != "" && got.Detail != ""
+	}
+	return got.Values.Get(0) == got.Group && got.Reason == "" && got.Detail == ""
+}
+
+// hasEntry returns nil once Lookup(device) returns want (see sameEntry).
 func hasEntry(tb *kv.Table, device string, want kv.Entry) func() error {
 	return func() error {
 		got, ok := tb.Lookup(device)
-		if !ok || got != want {
+		if !ok || !sameEntry(got, want) {
 			return fmt.Errorf("Lookup(%s) = %+v, %v; want %+v, true", device, got, ok, want)
 		}
 		return nil
@@ -241,14 +258,20 @@ func TestInvalidValues(t *testing.T) {
 	}
 	for dev, value := range invalid {
 		rev := put(t, b, dev, value)
-		natstest.Eventually(t, wait, hasEntry(tb, dev, kv.Entry{Revision: rev, Invalid: true}))
+		natstest.Eventually(t, wait, hasEntry(tb, dev, kv.Entry{Revision: rev, Invalid: true, Reason: wire.ReasonInvalidGroup}))
+	}
+	if got := tb.Invalid(); got[wire.ReasonInvalidGroup] != len(invalid) || len(got) != 1 {
+		t.Errorf("Invalid() = %v, want %s: %d", got, wire.ReasonInvalidGroup, len(invalid))
 	}
 	// An invalid device becomes valid again with a valid value.
 	rev := put(t, b, "dot", "group-b\n")
 	natstest.Eventually(t, wait, hasEntry(tb, "dot", kv.Entry{Group: "group-b", Revision: rev}))
 
 	// Ten invalid values within a second log at most a couple of lines.
-	if n := strings.Count(logs.String(), "invalid group value"); n < 1 || n > 2 {
+	if got := tb.Invalid(); got[wire.ReasonInvalidGroup] != len(invalid)-1 {
+		t.Errorf("Invalid() = %v after one device was fixed, want %s: %d", got, wire.ReasonInvalidGroup, len(invalid)-1)
+	}
+	if n := strings.Count(logs.String(), "invalid device value"); n < 1 || n > 2 {
 		t.Errorf("logged %d invalid-value lines, want 1 or 2 (rate-limited):\n%s", n, logs.String())
 	}
 }

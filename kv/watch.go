@@ -9,8 +9,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-
-	"github.com/kvmapper/kvmapper/subjects"
 )
 
 // errWatchStopped means the watcher's updates channel closed while Run's context was alive:
@@ -239,20 +237,19 @@ func (t *Table) apply(e jetstream.KeyValueEntry, initial bool) {
 		}
 		return
 	}
-	value := trimNewlines(e.Value())
-	valid := subjects.IsValidToken(string(value))
-	if !valid {
-		t.warnInvalid(device, e.Value(), rev)
+	entry := t.put(device, trimNewlines(e.Value()), rev)
+	if entry.Invalid {
+		t.warnInvalid(device, e.Value(), entry)
 	}
-	entry := t.put(device, value, valid, rev)
 	if t.onUpdate != nil {
 		t.onUpdate(Update{Device: device, Entry: entry, Initial: initial})
 	}
 }
 
-// warnInvalid logs an invalid value, at most once per second with a count of suppressed ones.
-func (t *Table) warnInvalid(device string, value []byte, rev uint64) {
-	suppressed, ok := t.invalid.Allow("invalid")
+// warnInvalid logs a value the templates cannot use, at most once per second with a count of
+// suppressed ones.
+func (t *Table) warnInvalid(device string, value []byte, e Entry) {
+	suppressed, ok := t.warn.Allow("invalid")
 	if !ok {
 		return
 	}
@@ -261,7 +258,11 @@ func (t *Table) warnInvalid(device string, value []byte, rev uint64) {
 	if len(shown) > maxShown {
 		shown = shown[:maxShown]
 	}
-	t.log.Warn().Str("device", device).Bytes("value", shown).Int("value_len", len(value)).
-		Uint64("revision", rev).Int("suppressed", suppressed).
-		Msg("invalid group value; device will be unmapped with reason invalid-group")
+	ev := t.log.Warn().Str("device", device).Bytes("value", shown).Int("value_len", len(value)).
+		Uint64("revision", e.Revision).Str("reason", e.Reason)
+	if e.Field != "" {
+		ev = ev.Str("field", e.Field)
+	}
+	ev.Str("why", e.Detail).Int("suppressed", suppressed).
+		Msg("invalid device value: the templates cannot use it; its messages go to UNMAPPED with this reason (or are parked with --on-unmapped park) until it is fixed")
 }

@@ -18,16 +18,18 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/kv"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
-// groups is a device → group table for tests, standing in for package kv.
+// groups is a device → value table for tests, decoding values as package kv does.
 type groups struct {
-	mu sync.RWMutex
-	m  map[string]string
+	mu     sync.RWMutex
+	m      map[string]string
+	schema *subjects.Schema // nil: subjects.GroupSchema
 }
 
 func (g *groups) set(device, group string) {
@@ -36,17 +38,15 @@ func (g *groups) set(device, group string) {
 	g.mu.Unlock()
 }
 
-func (g *groups) lookup(device string) (string, uint64, string) {
+func (g *groups) lookup(device string) subjects.Mapping {
 	g.mu.RLock()
-	grp, ok := g.m[device]
+	v, ok := g.m[device]
+	sc := g.schema
 	g.mu.RUnlock()
-	switch {
-	case !ok:
-		return "", 0, wire.ReasonNoMapping
-	case subjects.ValidToken(grp) != nil:
-		return "", 7, wire.ReasonInvalidGroup
+	if !ok {
+		return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 	}
-	return grp, 7, ""
+	return kv.DecodeEntry(sc, []byte(v), 7).Mapping()
 }
 
 type fixture struct {
@@ -246,32 +246,37 @@ func (f *fixture) settle(ctx context.Context, futs []jetstream.PubAckFuture) {
 	}
 }
 
-// read returns every message of stream in order, waiting until it holds want of them.
+// read returns every message of stream in order, waiting until it holds want of them, and fails
+// the test if it then holds more: a message stored twice, or one that should not be there, is
+// not left unread past want.
 func (f *fixture) read(stream string, want int) []jetstream.Msg {
+	f.t.Helper()
+	out := f.readFirst(stream, want)
+	if n, err := f.tryCount(stream); err == nil && n > want {
+		extra := f.readFirst(stream, n)[want:]
+		var shown []string
+		for _, m := range extra[:min(len(extra), 5)] {
+			shown = append(shown, fmt.Sprintf("%s %q", m.Subject(), m.Data()))
+		}
+		f.t.Fatalf("%s holds %d messages, want %d; the first beyond: %s", stream, n, want, strings.Join(shown, ", "))
+	}
+	return out
+}
+
+// readFirst returns the first n messages of stream in order, waiting until it holds n: for a
+// test that looks at a prefix while more is on its way.
+func (f *fixture) readFirst(stream string, n int) []jetstream.Msg {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	natstest.Eventually(f.t, 60*time.Second, func() error {
-		s, err := f.js.Stream(ctx, stream)
-		if err != nil {
-			return err
-		}
-		info, err := s.Info(ctx)
-		if err != nil {
-			return err
-		}
-		if int(info.State.Msgs) < want {
-			return fmt.Errorf("%s holds %d messages, want %d", stream, info.State.Msgs, want)
-		}
-		return nil
-	})
+	f.atLeast(stream, n)
 	cons, err := f.js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
 	if err != nil {
 		f.t.Fatal(err)
 	}
 	var out []jetstream.Msg
-	for len(out) < want {
-		b, err := cons.Fetch(want-len(out), jetstream.FetchMaxWait(5*time.Second))
+	for len(out) < n {
+		b, err := cons.Fetch(n-len(out), jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
 			f.t.Fatal(err)
 		}
@@ -283,6 +288,21 @@ func (f *fixture) read(stream string, want int) []jetstream.Msg {
 		}
 	}
 	return out
+}
+
+// atLeast waits until stream holds n messages or more.
+func (f *fixture) atLeast(stream string, n int) {
+	f.t.Helper()
+	natstest.Eventually(f.t, 60*time.Second, func() error {
+		got, err := f.tryCount(stream)
+		if err != nil {
+			return err
+		}
+		if got < n {
+			return fmt.Errorf("%s holds %d messages, want %d", stream, got, n)
+		}
+		return nil
+	})
 }
 
 // checkOrder checks that msgs hold, for each device, exactly payloads "<device>:0" to
@@ -325,17 +345,24 @@ func devices(n int) []string {
 	return out
 }
 
+// checkpoint returns partition p's checkpoint. A read that fails (just after a server restart
+// one may time out) is made again, for up to 10 s.
 func (f *fixture) checkpoint(p int) uint64 {
 	f.t.Helper()
-	e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
-	if err != nil {
-		f.t.Fatalf("Get(%s): %v", wire.CheckpointKey(p), err)
-	}
-	cp, err := wire.ParseCheckpoint(e.Value())
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return cp.Seq
+	var seq uint64
+	natstest.Eventually(f.t, 10*time.Second, func() error {
+		e, err := f.ctl.Get(context.Background(), wire.CheckpointKey(p))
+		if err != nil {
+			return fmt.Errorf("Get(%s): %w", wire.CheckpointKey(p), err)
+		}
+		cp, err := wire.ParseCheckpoint(e.Value())
+		if err != nil {
+			return err
+		}
+		seq = cp.Seq
+		return nil
+	})
+	return seq
 }
 
 // checkReaders checks that each partition's lane reads as its stream layout says: one consumer

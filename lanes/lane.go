@@ -31,6 +31,7 @@ type entry struct {
 	text     []byte        // the bytes of subject, Nats-Msg-Id and revision (see [entry.since])
 	id       [1]string     // backing of the Nats-Msg-Id header value
 	rev      [1]string     // backing of the KVMapper-Revision header value
+	hvals    []string      // backing of the output headers' values, one each (see [subjects.Layout.WithHeaders])
 	reason   string        // non-empty when msg is a dead letter
 	device   string        // the device, for the reorder check (a substring of the INCOMING subject)
 	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
@@ -44,11 +45,13 @@ func (e *entry) msg() *nats.Msg { return e.om.Out }
 // acked tells whether e's stream stored it (or had it already), or the lane gave up on it.
 func (e *entry) acked() bool { return e.om.Stored || e.om.Dropped }
 
-// reset clears e for its next message, keeping the header map and the text buffer it owns.
+// reset clears e for its next message, keeping the header map, the text buffer and the
+// header values' backing it owns.
 func (e *entry) reset() {
-	hdr, text := e.hdr, e.text
+	hdr, text, hvals := e.hdr, e.text, e.hvals
 	clear(hdr)
-	*e = entry{hdr: hdr, text: text[:0]}
+	clear(hvals)
+	*e = entry{hdr: hdr, text: text[:0], hvals: hvals}
 }
 
 // since returns what was appended to e's text from offset from on, as a string that shares e's
@@ -493,27 +496,45 @@ func (l *lane) build(e *entry, d delivery) {
 		return
 	}
 	e.device = l.fields.Device()
-	group, rev, reason := l.p.lookup(e.device)
-	if l.park != nil && l.park.parks(e.device, reason) {
+	m := l.p.lookup(e.device)
+	if l.park != nil && l.park.parks(e.device, m.Reason()) {
 		l.parkEntry(e, d, hdr)
 		return
 	}
-	if reason != "" {
-		e.reason = reason
+	if !m.Mapped() {
+		e.reason = m.Reason()
 		from := len(e.text)
 		e.text = lay.AppendUnmapped(e.text, &l.fields)
 		e.m.Subject = e.since(from)
-		l.deadHeaders(hdr, reason, "")
+		l.deadHeaders(hdr, e.reason, m.Detail())
+		if f := m.Field(); f != "" {
+			hdr[wire.HeaderField] = []string{f}
+		}
 		return
 	}
 	from := len(e.text)
-	e.text = lay.AppendOut(e.text, &l.fields, group)
+	e.text = lay.AppendOut(e.text, &l.fields, m.Values)
 	e.m.Subject = e.since(from)
+	if n := lay.NumHeaders(); n > 0 {
+		if len(e.hvals) < n {
+			e.hvals = make([]string, n)
+		}
+		for i := range n {
+			v, ok := lay.HeaderString(i, m.Values)
+			if !ok {
+				from = len(e.text)
+				e.text = lay.AppendHeader(e.text, i, &l.fields, m.Values)
+				v = e.since(from)
+			}
+			e.hvals[i] = v
+			hdr[lay.HeaderName(i)] = e.hvals[i : i+1 : i+1]
+		}
+	}
 	if !l.p.cfg.NoProvenance {
 		hdr[wire.HeaderPartition] = l.partHdr
 		hdr[wire.HeaderEpoch] = l.epochHdr
 		from = len(e.text)
-		e.text = strconv.AppendUint(e.text, rev, 10)
+		e.text = strconv.AppendUint(e.text, m.Revision, 10)
 		e.rev[0] = e.since(from)
 		hdr[wire.HeaderRevision] = e.rev[:]
 	}
@@ -524,16 +545,22 @@ const expectedPrefix = "Nats-Expected-"
 // headers fills e's header map with the consumed message's headers, made fit for OUTGOING: the
 // Nats-Expected-* headers addressed INCOMING and are left out, a device's own Nats-Msg-Id is kept
 // under [wire.HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
-// owner and every retry, so OUTGOING drops anything sent twice. The consumed message's own map
-// is left as it is; its values are shared, never changed.
+// owner and every retry, so OUTGOING drops anything sent twice. A header named as one of the
+// layout's output headers, in any case, is left out: the mapping sets it, and a device cannot
+// pass one off. The consumed message's own map is left as it is; its values are shared, never
+// changed.
 func (l *lane) headers(e *entry) nats.Header {
 	hdr := e.hdr
 	if hdr == nil {
 		hdr = make(nats.Header, 8)
 		e.hdr = hdr
 	}
+	lay := l.p.cfg.Layout
 	for k, v := range e.src.Headers() {
 		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
+			continue
+		}
+		if lay.NumHeaders() > 0 && lay.IsHeader(k) {
 			continue
 		}
 		hdr[k] = v

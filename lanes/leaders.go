@@ -74,8 +74,10 @@ func (ls *leaders) elected(stream string) time.Time {
 }
 
 // stoppingFor is how long a server that said it is shutting down is taken for gone: the meta
-// leader learns of the stop a moment later, and places no consumer there after.
-const stoppingFor = 10 * time.Second
+// leader learns of the stop a moment later (the server's shutdown event follows its 409s within
+// milliseconds), and places no consumer there after. Not longer: in a rolling restart the same
+// server is back, and a good place for consumers, seconds later.
+const stoppingFor = time.Second
 
 // stopped records that server host said it is shutting down (409 Server Shutdown to a lane's
 // pull request).

@@ -45,7 +45,9 @@ type ParkConfig struct {
 	// Prefix is the first token(s) of the parked subjects, "<Prefix>.<p>.<device>". Default
 	// "parked".
 	Prefix string
-	// New parks a device whose lookup says [wire.ReasonNoMapping] (kvmapper run --on-unmapped park).
+	// New parks a device whose lookup says [wire.ReasonNoMapping], or that its JSON value lacks a
+	// field or has one the templates cannot use ([wire.ReasonMissingField],
+	// [wire.ReasonInvalidField], [wire.ReasonInvalidValue]) (kvmapper run --on-unmapped park).
 	// Without it a pool with Stream set still releases, expires and unparks what PARKED holds,
 	// but parks no new device: its devices' order holds when parking is turned off.
 	New bool
@@ -306,15 +308,25 @@ func (l *lane) rebuildParked(ctx context.Context) error {
 }
 
 // parks tells whether the message of device being built must be parked: the device is parked
-// already, or it has no mapping and parking is on for new devices. The hot path: a nil check when
-// parking is off, one map lookup when some device is parked.
+// already, or parking is on for new devices and it has no mapping, or a JSON value the
+// templates cannot use (missing or invalid field, not JSON): those wait in PARKED until the
+// value is fixed. A plain value that is not a valid group (invalid-group) is dead-lettered, as
+// before values could be JSON. The hot path: a nil check when parking is off, one map lookup
+// when some device is parked.
 func (s *parking) parks(device, reason string) bool {
 	if len(s.devices) > 0 {
 		if _, ok := s.devices[device]; ok {
 			return true
 		}
 	}
-	return reason == wire.ReasonNoMapping && s.cfg.New
+	if !s.cfg.New {
+		return false
+	}
+	switch reason {
+	case wire.ReasonNoMapping, wire.ReasonMissingField, wire.ReasonInvalidField, wire.ReasonInvalidValue:
+		return true
+	}
+	return false
 }
 
 // parkEntry makes e, built from d with headers hdr, a park: published to the device's subject in
@@ -466,7 +478,7 @@ func (l *lane) parkStep(ctx context.Context) {
 		s.mu.Unlock()
 		for device := range pending {
 			if dev := s.devices[device]; dev != nil && dev.drain == nil && dev.queued == 0 {
-				if _, _, reason := l.p.lookup(device); reason == "" {
+				if l.p.lookup(device).Mapped() {
 					l.queueDrain(dev, drainRelease)
 				}
 			}
@@ -502,7 +514,7 @@ func (l *lane) sweep(now time.Time) {
 		if dev.drain != nil || dev.queued != 0 {
 			continue
 		}
-		if _, _, reason := l.p.lookup(name); reason == "" {
+		if l.p.lookup(name).Mapped() {
 			l.queueDrain(dev, drainRelease)
 			continue
 		}

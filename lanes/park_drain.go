@@ -10,6 +10,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/ordered"
+	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -182,12 +183,15 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 		hdr[k] = v
 	}
 	ref := e.ref
-	var group, reason, why string
-	var rev uint64
+	var mp subjects.Mapping
+	var reason, why string
 	switch d.mode {
 	case drainRelease:
-		if group, rev, reason = l.p.lookup(d.dev.name); reason != "" && !rebuild {
-			return false
+		if mp = l.p.lookup(d.dev.name); !mp.Mapped() {
+			if !rebuild {
+				return false
+			}
+			reason, why = mp.Reason(), mp.Detail()
 		}
 	case drainExpire:
 		if (l.park.cfg.MaxAge <= 0 || time.Since(e.at) <= l.park.cfg.MaxAge) && !rebuild {
@@ -195,7 +199,8 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 		}
 		reason = wire.ReasonParkExpired
 	case drainForce:
-		group, rev, reason = l.p.lookup(d.dev.name)
+		mp = l.p.lookup(d.dev.name)
+		reason, why = mp.Reason(), mp.Detail()
 	case drainDrop:
 		reason = wire.ReasonParkDropped
 	}
@@ -209,7 +214,7 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 		reason, why = wire.ReasonMalformedSubject, err.Error()
 		subject = lay.MalformedSubject()
 	} else if reason == "" {
-		subject = string(lay.AppendOut(l.buf[:0], &l.fields, group))
+		subject = string(lay.AppendOut(l.buf[:0], &l.fields, mp.Values))
 	} else {
 		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))
 	}
@@ -217,15 +222,21 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 	data := e.src.Data()
 	if reason == "" {
 		delete(hdr, wire.HeaderSubject)
+		for i := range lay.NumHeaders() {
+			hdr[lay.HeaderName(i)] = []string{string(lay.AppendHeader(l.buf[:0], i, &l.fields, mp.Values))}
+		}
 		if !l.p.cfg.NoProvenance {
 			hdr[wire.HeaderPartition] = l.partHdr
 			hdr[wire.HeaderEpoch] = l.epochHdr
-			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(rev, 10)}
+			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(mp.Revision, 10)}
 		}
 	} else {
 		delete(hdr, wire.HeaderRevision)
 		hdr[wire.HeaderSubject] = []string{stored}
 		l.deadHeaders(hdr, reason, why)
+		if mp.Field() != "" && reason == mp.Reason() {
+			hdr[wire.HeaderField] = []string{mp.Field()}
+		}
 		if reason == wire.ReasonOversized {
 			data = nil // what did not fit; it stays in INCOMING under the sequence in its Nats-Msg-Id
 		}

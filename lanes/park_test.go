@@ -35,39 +35,57 @@ func (f *fixture) parkOn(c lanes.Config, perDevice, total int64) lanes.Config {
 // parked returns how many messages PARKED holds for device.
 func (f *fixture) parked(device string) int {
 	f.t.Helper()
+	n, err := f.tryParked(device)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}
+
+// tryParked is parked for a poll: just after a server restart a request may time out.
+func (f *fixture) tryParked(device string) (int, error) {
 	ctx := context.Background()
 	s, err := f.js.Stream(ctx, "PARKED")
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading PARKED: %w", err)
 	}
 	subj := subjects.ParkedSubject("parked", subjects.Partition(device, f.lay.Partitions), device)
 	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subj))
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading PARKED: %w", err)
 	}
-	return int(info.State.Subjects[subj])
+	return int(info.State.Subjects[subj]), nil
 }
 
 // count returns how many messages stream holds.
 func (f *fixture) count(stream string) int {
 	f.t.Helper()
-	s, err := f.js.Stream(context.Background(), stream)
+	n, err := f.tryCount(stream)
 	if err != nil {
 		f.t.Fatal(err)
+	}
+	return n
+}
+
+// tryCount is count for a poll.
+func (f *fixture) tryCount(stream string) (int, error) {
+	s, err := f.js.Stream(context.Background(), stream)
+	if err != nil {
+		return 0, fmt.Errorf("reading %s: %w", stream, err)
 	}
 	info, err := s.Info(context.Background())
 	if err != nil {
-		f.t.Fatal(err)
+		return 0, fmt.Errorf("reading %s: %w", stream, err)
 	}
-	return int(info.State.Msgs)
+	return int(info.State.Msgs), nil
 }
 
 // waitParked waits until PARKED holds n messages of device.
 func (f *fixture) waitParked(device string, n int) {
 	f.t.Helper()
 	natstest.Eventually(f.t, 30*time.Second, func() error {
-		if got := f.parked(device); got != n {
-			return fmt.Errorf("PARKED holds %d messages of %s, want %d", got, device, n)
+		if got, err := f.tryParked(device); err != nil || got != n {
+			return fmt.Errorf("PARKED holds %d messages of %s, want %d (%v)", got, device, n, err)
 		}
 		return nil
 	})
@@ -85,6 +103,9 @@ func sameLane(device string, n int) []string {
 	return out
 }
 
+// The release is held back (its publishes to OUTGOING vanish on the way, natstest.Dropper) while
+// the device publishes its next 100, so that every one of them is parked behind the release in
+// flight: then the release gets through and the device's 200 land in order.
 func TestParkThenReleaseInOrder(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := sameLane("late", 2) // late is provisioned after it published; the other is mapped
@@ -92,7 +113,9 @@ func TestParkThenReleaseInOrder(t *testing.T) {
 		f.groups.set(mapped, "g")
 		// A small window: the release and the device's new parks wait for room in turn, so
 		// the release catches up while parks are held or in flight.
-		pool, _ := f.run(f.parkOn(lanes.Config{MaxInFlight: 16}, 0, 0), nil)
+		cfg := f.parkOn(lanes.Config{MaxInFlight: 16, PublishTimeout: 300 * time.Millisecond}, 0, 0)
+		pool, drop := f.droppingPool(cfg)
+		f.runPool(pool, nil)
 
 		f.publish(devs, 100, nil)
 		f.waitParked(late, 100)
@@ -103,22 +126,28 @@ func TestParkThenReleaseInOrder(t *testing.T) {
 		}
 
 		// Provisioned: released at once, and what it publishes meanwhile stays behind.
+		drop.Drop("outgoing.late-group.")
 		f.groups.set(late, "late-group")
 		pool.Release(late)
-		f.publishFrom([]string{late}, 100, 100, nil)
-		out := f.read("OUTGOING", 300)
-		var lateMsgs []jetstream.Msg
-		for _, m := range out {
-			if strings.HasPrefix(string(m.Data()), late+":") {
-				lateMsgs = append(lateMsgs, m)
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if drop.Dropped() == 0 {
+				return fmt.Errorf("the release has sent nothing yet")
 			}
+			return nil
+		})
+		f.publishFrom([]string{late}, 100, 100, nil)
+		f.waitParked(late, 200) // parked behind the release, which is still held
+		if n := f.count("OUTGOING"); n != 100 {
+			t.Fatalf("OUTGOING holds %d messages while the release is held, want the other device's 100", n)
 		}
-		checkOrder(t, lateMsgs, []string{late}, 200, func(d string) string { return "outgoing.late-group." + d + ".evt" })
+		drop.Drop("")
+		out := f.read("OUTGOING", 300)
+		checkOrder(t, ofDevice(out, late), []string{late}, 200, func(d string) string { return "outgoing.late-group." + d + ".evt" })
 		f.waitParked(late, 0) // released messages are purged
 		natstest.Eventually(t, 10*time.Second, func() error {
 			st := pool.Stats()
-			if st.Parked < 100 || st.Released < 100 || st.Mapped != 300 || st.ParkedDevices != 0 {
-				return fmt.Errorf("Stats() = %+v, want at least 100 parked and released, 300 mapped, no device parked", st)
+			if st.Parked != 200 || st.Released != 200 || st.Mapped != 300 || st.ParkedDevices != 0 {
+				return fmt.Errorf("Stats() = %+v, want 200 parked and released, 300 mapped, no device parked", st)
 			}
 			return nil
 		})
@@ -176,8 +205,8 @@ func TestParkLimits(t *testing.T) {
 	f.waitParked("a", 10)
 	f.publish([]string{"b", "c"}, 10, nil) // 15 more fit in all, whichever come first
 	natstest.Eventually(t, 20*time.Second, func() error {
-		if n := f.count("UNMAPPED"); n != 10 {
-			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		if n, err := f.tryCount("UNMAPPED"); err != nil || n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10 (%v)", n, err)
 		}
 		return nil
 	})
@@ -231,8 +260,8 @@ func TestParkMaxAge(t *testing.T) {
 	f.publish([]string{"new"}, 5, nil)
 	f.waitParked("new", 5)
 	natstest.Eventually(t, 20*time.Second, func() error {
-		if n := f.count("UNMAPPED"); n != 10 {
-			return fmt.Errorf("UNMAPPED holds %d messages, want 10", n)
+		if n, err := f.tryCount("UNMAPPED"); err != nil || n != 10 {
+			return fmt.Errorf("UNMAPPED holds %d messages, want 10 (%v)", n, err)
 		}
 		return nil
 	})
@@ -293,11 +322,11 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 		drop.DropAfter("outgoing.", purged)
 		cut, stop := f.runPool(pool, func(int) bool { return !lost.Load() })
 		natstest.Eventually(t, 30*time.Second, func() error {
-			if n := f.count("OUTGOING"); n != purged {
-				return fmt.Errorf("OUTGOING holds %d, want the %d let through", n, purged)
+			if n, err := f.tryCount("OUTGOING"); err != nil || n != purged {
+				return fmt.Errorf("OUTGOING holds %d, want the %d let through (%v)", n, purged, err)
 			}
-			if n := f.parked("late"); n != total-purged {
-				return fmt.Errorf("PARKED holds %d, want %d: the stored ones purged", n, total-purged)
+			if n, err := f.tryParked("late"); err != nil || n != total-purged {
+				return fmt.Errorf("PARKED holds %d, want %d: the stored ones purged (%v)", n, total-purged, err)
 			}
 			// As after a stream's leader change: nothing later is stored before the release has
 			// seen what it lost time out (it then resends from the first, alone).
@@ -309,8 +338,8 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 		// No purge from now on; the release's resends get through up to stored, then stall.
 		drop.Set(natstest.DropRule{Prefix: "$JS.API.STREAM.PURGE."}, natstest.DropRule{Prefix: "outgoing.", Pass: stored - purged})
 		natstest.Eventually(t, 30*time.Second, func() error {
-			if n := f.count("OUTGOING"); n != stored {
-				return fmt.Errorf("OUTGOING holds %d, want the %d let through", n, stored)
+			if n, err := f.tryCount("OUTGOING"); err != nil || n != stored {
+				return fmt.Errorf("OUTGOING holds %d, want the %d let through (%v)", n, stored, err)
 			}
 			return nil
 		})

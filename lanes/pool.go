@@ -17,10 +17,12 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// LookupFunc returns the group of device and the KV revision of that mapping, or a non-empty
-// reason ([wire.ReasonNoMapping], [wire.ReasonInvalidGroup]) when the device cannot be mapped. It is called
-// once per message from every lane at once: it must be safe for concurrent use and must not block.
-type LookupFunc func(device string) (group string, revision uint64, reason string)
+// LookupFunc returns what device maps with: the values of its KV value that the layout's
+// templates render (decoded with Config.Layout's schema) and that value's revision, or a reason
+// ([wire.ReasonNoMapping], one of [wire.ValueReasons]) when the device cannot be mapped. It is
+// called once per message from every lane at once: it must be safe for concurrent use and must
+// not block.
+type LookupFunc func(device string) subjects.Mapping
 
 // Assignment is one partition handed to a lane by its owner.
 type Assignment struct {

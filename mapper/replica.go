@@ -104,10 +104,10 @@ type Replica struct {
 // leaseTTL returns the lease TTL to run with: ttl when set, else the one for the control
 // bucket's replica count. It logs which, and warns of a TTL a replicated bucket's election
 // outlasts.
-func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration, log zerolog.Logger) (time.Duration, error) {
+func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration, log zerolog.Logger) (time.Duration, int, error) {
 	st, err := control.Status(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
+		return 0, 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
 	}
 	replicas := 1
 	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
@@ -124,7 +124,7 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	default:
 		log.Info().Int64("lease_ttl_ms", ttl.Milliseconds()).Int("control_replicas", replicas).Msg("lease TTL as configured")
 	}
-	return ttl, nil
+	return ttl, replicas, nil
 }
 
 // DefaultJudgedExpiry is how long of writable time an owner may stay silent on a replicated
@@ -138,7 +138,7 @@ const DefaultJudgedExpiry = 2 * time.Second
 // (setup recorded the fences, and the lanes check them on every write) — else 0 (off). A judged
 // expiry asked for where the writes are not fenced is refused: it would let a deposed owner
 // write beside its successor.
-func judgedExpiry(ctx context.Context, control jetstream.KeyValue, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
+func judgedExpiry(ctx context.Context, controlReplicas int, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
 	lp, ok := pool.(*lanes.Pool)
 	checked := ok && lp.WritesChecked(ctx)
 	if ecfg.JudgedExpiry != 0 {
@@ -147,12 +147,7 @@ func judgedExpiry(ctx context.Context, control jetstream.KeyValue, ecfg election
 		}
 		return ecfg.JudgedExpiry, nil
 	}
-	st, err := control.Status(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("reading bucket %s: %w", control.Bucket(), err)
-	}
-	bs, _ := st.(*jetstream.KeyValueBucketStatus)
-	if bs == nil || bs.StreamInfo().Config.Replicas < 2 || !checked {
+	if controlReplicas < 2 || !checked {
 		return 0, nil
 	}
 	log.Info().Dur("judged_expiry", DefaultJudgedExpiry).
@@ -208,6 +203,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		metricsListen: cfg.MetricsListen, version: cfg.Version}
 	tcfg := cfg.Table
 	tcfg.Logger = log.With().Str("component", "kv").Logger()
+	if tcfg.Schema == nil && cfg.Lanes.Layout != nil {
+		tcfg.Schema = cfg.Lanes.Layout.Schema() // the table decodes values once, for these templates
+	}
 	next := tcfg.OnUpdate
 	tcfg.OnUpdate = func(u kv.Update) {
 		if !u.Initial {
@@ -231,23 +229,16 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
-	lookup := func(device string) (string, uint64, string) {
-		e, ok := table.Lookup(device)
-		if !ok {
-			return "", 0, wire.ReasonNoMapping
-		}
-		if e.Invalid {
-			return "", e.Revision, wire.ReasonInvalidGroup
-		}
-		return e.Group, e.Revision, ""
-	}
+	lookup := table.Mapping
 	var pool engine
 	fenced := lanes.ErrFenced
+	catchUp := table.CatchUp
 	if cfg.Setup.Mode == wire.ModeDirect {
 		if r.direct, err = newDirect(js.Conn(), lookup, table, control, cfg); err != nil {
 			return nil, invalid(err, direct.ErrInvalidConfig)
 		}
 		pool, fenced = directEngine{r.direct}, direct.ErrFenced
+		catchUp = func(context.Context) error { return nil }
 	} else {
 		lcfg := cfg.Lanes
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
@@ -272,10 +263,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}
 	}
 	ecfg := cfg.Election
-	if ecfg.LeaseTTL, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
+	var controlReplicas int
+	if ecfg.LeaseTTL, controlReplicas, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
 		return nil, err
 	}
-	if ecfg.JudgedExpiry, err = judgedExpiry(ctx, control, ecfg, pool, log); err != nil {
+	if ecfg.JudgedExpiry, err = judgedExpiry(ctx, controlReplicas, ecfg, pool, log); err != nil {
 		return nil, err
 	}
 	r.leaseTTL = ecfg.LeaseTTL
@@ -295,8 +287,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back
-		// to the old group (I4). The lease stays held while the table catches up.
-		if err := table.CatchUp(ctx); err != nil {
+		// to the old group (I4). The lease stays held while the table catches up. In direct
+		// mode the pool catches up itself, once it has subscribed and announced itself: waiting
+		// here, before it subscribes, would leave the previous owner nobody to hand over to, and
+		// the devices' messages meanwhile no PubAck.
+		if err := catchUp(ctx); err != nil {
 			if ctx.Err() != nil {
 				log.Info().Err(err).Int("partition", l.Partition).
 					Msg("partition ended before the groups table caught up")
@@ -564,7 +559,7 @@ func (r *Replica) report() status.Report {
 			Retries: st.Retries, Failures: st.Failures, InFlight: st.InFlight,
 			Parked: st.Parked, Released: st.Released, ParkedDevices: st.ParkedDevices, ParkedMessages: st.ParkedMessages,
 		},
-		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision()},
+		Table: status.Table{Devices: r.table.Len(), Revision: r.table.Revision(), Invalid: r.table.Invalid()},
 	}
 	for _, p := range parts {
 		rep.Partitions = append(rep.Partitions, status.PartitionReport{

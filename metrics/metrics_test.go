@@ -59,15 +59,12 @@ func TestMetricsOfARealPool(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool, err := lanes.New(js, ctl, func(device string) (string, uint64, string) {
+	pool, err := lanes.New(js, ctl, func(device string) subjects.Mapping {
 		e, ok := table.Lookup(device)
 		if !ok {
-			return "", 0, wire.ReasonNoMapping
+			return subjects.Unmappable(wire.ReasonNoMapping, "", "", 0)
 		}
-		if e.Invalid {
-			return "", e.Revision, wire.ReasonInvalidGroup
-		}
-		return e.Group, e.Revision, ""
+		return e.Mapping()
 	}, lanes.Config{Layout: lay, CheckpointInterval: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

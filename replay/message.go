@@ -45,19 +45,25 @@ func (r *Replay) build(e *entry, src source) bool {
 	case !ok:
 		reason = wire.ReasonNoMapping
 	case ent.Invalid:
-		reason = wire.ReasonInvalidGroup
+		reason = ent.Reason
 	}
 	if reason != "" {
 		e.reason = reason
 		r.buf = lay.AppendUnmapped(r.buf[:0], &r.fields)
 		e.msg.Subject = string(r.buf)
-		r.deadHeaders(hdr, reason, "", p)
+		r.deadHeaders(hdr, reason, ent.Detail, p)
+		if ent.Field != "" {
+			hdr[wire.HeaderField] = []string{ent.Field}
+		}
 		e.target = r.tg.dead
 		return true
 	}
 	e.group = ent.Group
-	r.buf = lay.AppendOut(r.buf[:0], &r.fields, ent.Group)
+	r.buf = lay.AppendOut(r.buf[:0], &r.fields, ent.Values)
 	e.msg.Subject = string(r.buf)
+	for i := range lay.NumHeaders() {
+		hdr[lay.HeaderName(i)] = []string{string(lay.AppendHeader(r.buf[:0], i, &r.fields, ent.Values))}
+	}
 	e.target = r.tg.into
 	if !r.cfg.NoProvenance {
 		hdr[wire.HeaderPartition] = []string{strconv.Itoa(p)}
@@ -69,14 +75,15 @@ func (r *Replay) build(e *entry, src source) bool {
 
 // headers returns the message's headers made fit for the target: the Nats-Expected-* headers
 // addressed INCOMING and are dropped, a device's own Nats-Msg-Id is kept under
-// KVMapper-Orig-Msg-Id, and Nats-Msg-Id becomes the replay's id for the message.
+// KVMapper-Orig-Msg-Id, Nats-Msg-Id becomes the replay's id for the message, and a header named
+// as one of the output headers, in any case, is dropped: the mapping sets it.
 func (r *Replay) headers(e *entry, src source) nats.Header {
 	hdr := e.src.Headers()
 	if hdr == nil {
 		hdr = make(nats.Header, 4)
 	}
 	for k := range hdr {
-		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
+		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) || r.cfg.Layout.IsHeader(k) {
 			delete(hdr, k)
 		}
 	}

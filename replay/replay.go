@@ -254,6 +254,9 @@ func (r *Replay) spec(srcs []source) (shape, full string) {
 		fmt.Fprintf(&b, " devices=%s", strings.Join(c.Devices, ","))
 	}
 	fmt.Fprintf(&b, " into=%s out=%s dead=%s provenance=%t missing-history=%t", c.Into, c.Layout.Out, c.Layout.Unmapped, !c.NoProvenance, c.AllowMissingHistory)
+	if hs := c.Layout.Headers(); len(hs) > 0 {
+		fmt.Fprintf(&b, " headers=%q", hs) // only then: the replays of a layout without headers keep their ids
+	}
 	shape = b.String()
 	point := func(seq uint64, t time.Time, none string) string {
 		switch {
@@ -293,7 +296,7 @@ func checkRecord(rec record, shape string, srcs []source, id string) error {
 // loadTable rebuilds the groups table as of the record's revision, and refuses (or, when
 // allowed, warns about) devices whose value at that revision is gone from the history.
 func (r *Replay) loadTable(ctx context.Context) error {
-	snap, err := kv.AsOf(ctx, r.js, r.cfg.Names.Groups, r.rec.AsOf)
+	snap, err := kv.AsOf(ctx, r.js, r.cfg.Names.Groups, r.rec.AsOf, r.cfg.Layout.Schema())
 	if err != nil {
 		return fmt.Errorf("replay: reading the groups table as of revision %d: %w", r.rec.AsOf, err)
 	}

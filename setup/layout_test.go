@@ -158,10 +158,15 @@ func TestAutoKeepsTheExistingLayout(t *testing.T) {
 					t.Errorf("%s = %s (%q), %v; want %s (%q)", name, choice.Layout, choice.Why, err, tc.existing, tc.why)
 				}
 			}
-			if tc.existing == subjects.SingleStream {
-				if _, err := setup.Ensure(ctx, js, autoConfig(t)); err != nil {
-					t.Fatalf("Ensure with auto: %v", err)
-				}
+			// Ensure with auto keeps the layout: with the single stream it succeeds; with the
+			// partition streams on a server that lost the mapping it refuses for want of the
+			// mapping, rather than making the single stream a new deployment would get.
+			_, err := setup.Ensure(ctx, js, autoConfig(t))
+			switch {
+			case tc.existing == subjects.SingleStream && err != nil:
+				t.Fatalf("Ensure with auto: %v", err)
+			case tc.existing == subjects.PartitionStreams && !errors.Is(err, setup.ErrNoMapping):
+				t.Errorf("Ensure with auto on the partition streams without the mapping = %v, want ErrNoMapping", err)
 			}
 			if exists(t, js, other) {
 				t.Errorf("%s exists beside the %s layout", other, tc.existing)

@@ -432,6 +432,9 @@ func Apply(ctx context.Context, js jetstream.JetStream, cfg Config, w io.Writer)
 	for _, l := range lines {
 		fmt.Fprintln(w, l)
 	}
+	if err == nil {
+		fmt.Fprintf(w, "values in bucket %s: %s\n", cfg.Groups, cfg.Layout.Schema().Describe())
+	}
 	if err == nil && choice.Faster != "" {
 		fmt.Fprintf(w, "\n%s.\n\n%s", choice.Faster, MappingConfig(cfg.Layout))
 	}

@@ -153,17 +153,14 @@ func TestEnsureSpreadsPartitionLeadersOverServersUp(t *testing.T) {
 	}
 	// The node to kill leads nothing, so that no stream has to elect a leader: not the meta
 	// group, not a stream or bucket.
-	dead := (c.MetaLeader() + 1) % c.Size()
-	alive := (dead + 1) % c.Size()
-	if alive == c.MetaLeader() {
-		alive = (dead + 2) % c.Size()
-	}
+	dead, alive := 2, 1
 	skew(t, c, nc, cfg, alive)
 	for _, s := range []string{cfg.Outgoing, cfg.Unmapped, subjects.BucketStream(cfg.Groups), subjects.BucketStream(cfg.Control)} {
 		if c.WaitStreamLeader(s, -1, 30*time.Second) == dead {
 			c.StepDownTo(nc, s, alive)
 		}
 	}
+	c.MoveMetaLeaderOff(dead)
 	c.Kill(dead)
 	natstest.Eventually(t, 30*time.Second, func() error {
 		s, err := js.Stream(ctx, cfg.PartitionStream(0))

@@ -3,6 +3,8 @@ package status
 import (
 	"fmt"
 	"io"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -89,6 +91,7 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 		return s.writeDirect(w, len(unowned))
 	}
 	fmt.Fprintf(w, "\ngroups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
+	s.writeInvalid(w)
 	if err := s.Parked.writeText(w); err != nil {
 		return err
 	}
@@ -125,6 +128,7 @@ func (s *Snapshot) writeDirect(w io.Writer, unowned int) error {
 		"republishes to OUTGOING); LAG is what waits in the owner's queue, and there are no checkpoints")
 	fmt.Fprintf(w, "control bucket %s: %d of %d partitions leased, %s\n", s.Control, len(s.Partitions)-unowned, len(s.Partitions), plural(len(s.Replicas), "member"))
 	fmt.Fprintf(w, "groups bucket %s: %d values, last revision %d\n", s.Groups.Bucket, s.Groups.Values, s.Groups.Revision)
+	s.writeInvalid(w)
 	for _, st := range s.Outputs {
 		seqs := "no messages"
 		if st.Messages > 0 {
@@ -234,4 +238,28 @@ func (pk *Parked) writeText(w io.Writer) error {
 		fmt.Fprintf(tw, "  (%d more)\t\t\t\n", n)
 	}
 	return tw.Flush()
+}
+
+// writeInvalid writes how many devices have a value the templates cannot use, as the replica
+// whose table is the most recent counts them; nothing when none has.
+func (s *Snapshot) writeInvalid(w io.Writer) {
+	var best *Report
+	for _, r := range s.Replicas {
+		if r.Report != nil && (best == nil || r.Report.Table.Revision > best.Table.Revision) {
+			best = r.Report
+		}
+	}
+	if best == nil || len(best.Table.Invalid) == 0 {
+		return
+	}
+	total := 0
+	var parts []string
+	for _, reason := range slices.Sorted(maps.Keys(best.Table.Invalid)) {
+		n := best.Table.Invalid[reason]
+		total += n
+		parts = append(parts, fmt.Sprintf("%s %d", reason, n))
+	}
+	fmt.Fprintf(w, "%s whose value the templates cannot use (%s), in replica %s's table at revision %d: "+
+		"their messages go to UNMAPPED with that reason, or wait in PARKED (--on-unmapped park), until the value is fixed\n",
+		plural(total, "device"), strings.Join(parts, ", "), best.Replica, best.Table.Revision)
 }

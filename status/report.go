@@ -60,6 +60,9 @@ type Counters struct {
 type Table struct {
 	Devices  int    `json:"devices"`
 	Revision uint64 `json:"revision"`
+	// Invalid counts, by reason (wire.ValueReasons), the devices whose value the templates
+	// cannot use: their messages are dead-lettered with that reason, or parked.
+	Invalid map[string]int `json:"invalid,omitempty"`
 }
 
 // StatusSubject is the subject of replica id's status endpoint for the control bucket control.

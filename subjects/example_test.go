@@ -43,7 +43,13 @@ func ExampleLayout_Parse() {
 		return
 	}
 	fmt.Println(f.Partition(), f.Device(), f.Value("event"))
-	fmt.Println(string(l.AppendOut(buf[:0], &f, "group-b")))
+	// The device's value in the groups bucket, decoded once when the table reads it.
+	v, err := l.Schema().Decode([]byte("group-b"))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Println(string(l.AppendOut(buf[:0], &f, v)))
 	fmt.Println(string(l.AppendUnmapped(buf[:0], &f)))
 
 	fmt.Println(l.Parse("incoming.dev-42.temp", &f))

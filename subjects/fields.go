@@ -118,30 +118,76 @@ func parsePartition(s string, n int) (int, bool) {
 	return p, p < n
 }
 
-// AppendOut appends the Out subject for f and group to dst and returns the extended slice. It does
-// not allocate when dst has room. It does not validate group: check it once with [ValidToken] when
-// it is read. f must have been filled by l.Parse.
-func (l *Layout) AppendOut(dst []byte, f *Fields, group string) []byte {
-	return l.appendOps(dst, l.outOps, f, group)
+// AppendOut appends the Out subject for f and the device's values v to dst and returns the
+// extended slice. It does not allocate when dst has room. It does not check v: decode it once,
+// with l.Schema(), when the value is read. f must have been filled by l.Parse.
+func (l *Layout) AppendOut(dst []byte, f *Fields, v Values) []byte {
+	ops := l.outOps
+	if v.Len() == l.fastLen {
+		ops = l.outFast
+	}
+	return l.appendOps(dst, ops, f, v)
 }
 
 // AppendUnmapped appends the Unmapped subject for f to dst and returns the extended slice. It does
 // not allocate when dst has room. f must have been filled by l.Parse.
 func (l *Layout) AppendUnmapped(dst []byte, f *Fields) []byte {
-	return l.appendOps(dst, l.unmappedOps, f, "")
+	return l.appendOps(dst, l.unmappedOps, f, Values{})
 }
 
-func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, group string) []byte {
+func (l *Layout) appendOps(dst []byte, ops []op, f *Fields, v Values) []byte {
 	for _, o := range ops {
 		switch o.kind {
 		case opLit:
 			dst = append(dst, o.text...)
-		case opGroup:
-			dst = append(dst, group...)
+		case opValue:
+			if r, ok := get1(v.s, o.idx); ok {
+				dst = append(dst, r...)
+			} else {
+				dst = append(dst, v.Get(o.idx)...)
+			}
 		case opField:
 			sp := f.spans[o.idx]
 			dst = append(dst, f.subject[sp.start:sp.end]...)
 		}
 	}
 	return dst
+}
+
+// ParseOut fills f from a subject Out renders, for the placeholders of In that Out holds, so that
+// [Layout.AppendOut] and [Layout.AppendHeader] can render it again, e.g. to check it against the
+// device's value. It returns complete false when In has a placeholder Out lacks (a header using
+// it cannot be rendered again from the subject). It fails, resetting f, when subject does not
+// have Out's shape: another token count, a literal that differs, an empty token. f's partition
+// is -1: Out does not carry it.
+func (l *Layout) ParseOut(subject string, f *Fields) (complete bool, err error) {
+	*f = Fields{subject: subject, partition: -1, dev: l.devIdx, layout: l}
+	var set [MaxPlaceholders]bool
+	i := 0
+	for k, tk := range l.Out.tokens {
+		end := len(subject)
+		j := strings.IndexByte(subject[i:], '.')
+		switch {
+		case k < len(l.Out.tokens)-1 && j < 0, k == len(l.Out.tokens)-1 && j >= 0:
+			*f = Fields{}
+			return false, fmt.Errorf("%w: %q does not have the shape of %s", ErrMalformedSubject, subject, l.Out)
+		case j >= 0:
+			end = i + j
+		}
+		tok := subject[i:end]
+		switch idx := l.inIndex(tk.text); {
+		case tok == "" || !tk.ph && tok != tk.text:
+			*f = Fields{}
+			return false, fmt.Errorf("%w: %q does not have the shape of %s", ErrMalformedSubject, subject, l.Out)
+		case tk.ph && idx >= 0 && !set[idx]:
+			f.spans[idx], set[idx] = span{i, end}, true
+		}
+		i = end + 1
+	}
+	for idx := range l.In.names {
+		if !set[idx] {
+			return false, nil
+		}
+	}
+	return true, nil
 }

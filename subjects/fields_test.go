@@ -107,7 +107,7 @@ func TestAppend(t *testing.T) {
 			if err := l.Parse(tt.stored, &f); err != nil {
 				t.Fatalf("Parse(%q) = %v", tt.stored, err)
 			}
-			if got := string(l.AppendOut([]byte("pre:"), &f, tt.group)); got != "pre:"+tt.wantOut {
+			if got := string(l.AppendOut([]byte("pre:"), &f, subjects.PackValues(tt.group))); got != "pre:"+tt.wantOut {
 				t.Errorf("AppendOut(pre:) = %q, want %q", got, "pre:"+tt.wantOut)
 			}
 			if got := string(l.AppendUnmapped(nil, &f)); got != tt.wantUnm {
@@ -123,12 +123,13 @@ func TestZeroAllocs(t *testing.T) {
 	var f subjects.Fields
 	buf := make([]byte, 0, 256)
 	var sink int
+	v := subjects.PackValues("group-b")
 	if n := testing.AllocsPerRun(1000, func() {
 		if err := l.Parse(stored, &f); err != nil {
 			t.Fatal(err)
 		}
 		sink += len(f.Device())
-		buf = l.AppendOut(buf[:0], &f, "group-b")
+		buf = l.AppendOut(buf[:0], &f, v)
 	}); n != 0 {
 		t.Errorf("Parse + Device + AppendOut: %v allocs per run, want 0", n)
 	}
@@ -159,9 +160,10 @@ func BenchmarkAppendOut(b *testing.B) {
 		b.Fatal(err)
 	}
 	buf := make([]byte, 0, 256)
+	v := subjects.PackValues("group-b")
 	b.ReportAllocs()
 	for b.Loop() {
-		buf = l.AppendOut(buf[:0], &f, "group-b")
+		buf = l.AppendOut(buf[:0], &f, v)
 	}
 }
 

@@ -98,7 +98,7 @@ func FuzzParse(f *testing.F) {
 			if fl.Partition() < 0 || fl.Partition() >= l.Partitions {
 				t.Fatalf("Parse(%q): Partition() = %d, want 0 to %d", stored, fl.Partition(), l.Partitions-1)
 			}
-			out := string(l.AppendOut(nil, &fl, "g"))
+			out := string(l.AppendOut(nil, &fl, subjects.PackValues("g")))
 			if want := "." + fl.Device(); !strings.Contains(out, want) || !strings.HasPrefix(out, l.Out.Prefix()+".g.") {
 				t.Fatalf("AppendOut(%q) = %q, want the group and device", stored, out)
 			}

@@ -28,7 +28,7 @@ type opKind uint8
 
 const (
 	opLit   opKind = iota // text, dots included
-	opGroup               // the group argument
+	opValue               // field idx of the device's Values
 	opField               // the span of in placeholder idx
 )
 
@@ -48,8 +48,14 @@ type Layout struct {
 	inPrefixDot string  // "incoming.": the leading literal tokens of In and their trailing dot
 	inRest      []token // In's tokens after the leading literals; placeholders in order
 	devIdx      int     // index of {device} among In's placeholders
-	outOps      []op
+	outOps      []op    // Out, a step per field: what Values without rendered parts render with
+	outFast     []op    // Out, a step per part of it the value renders alone (see Schema.runs)
+	// fastLen is the number of entries of the Values the schema decodes, which hold the rendered
+	// parts the fast steps use; -1 when there are none (then the two are the same).
+	fastLen     int
 	unmappedOps []op
+	headers     []*header // the output headers (see [Layout.WithHeaders])
+	schema      *Schema
 	malformed   string
 	storedShape string // "incoming.<partition>.{device}.{event}", for errors
 }
@@ -58,8 +64,9 @@ type Layout struct {
 // [ErrInvalidTemplate] and says what to change. The rules:
 //   - in starts with a literal token, contains {device} exactly once and every other placeholder at
 //     most once, no {group} or {partition}, and at most [MaxPlaceholders] placeholders;
-//   - out starts with a literal token and contains {group} and {device}; its other placeholders
-//     appear in in;
+//   - out starts with a literal token and contains {device}, and no {partition}; each of its other
+//     placeholders is one of in, or else a field of the device's value ({group}, {region}, …:
+//     see [Schema]);
 //   - unmapped starts with a literal token and has at least one placeholder, all of which appear in
 //     in; no {group};
 //   - partitions is between 1 and [MaxPartitions];
@@ -93,6 +100,9 @@ func NewLayout(in, out, unmapped string, partitions int) (*Layout, error) {
 		return nil, err
 	}
 	l.precompute()
+	if err := l.compile(); err != nil {
+		return nil, err
+	}
 	return l, nil
 }
 
@@ -125,16 +135,11 @@ func (l *Layout) checkOut() error {
 	if t.leading() == 0 {
 		return fmt.Errorf("%w: out %q must start with a literal token, e.g. outgoing.{group}.{device}.{event}", ErrInvalidTemplate, t)
 	}
-	for _, name := range []string{group, device} {
-		if !t.has(name) {
-			return fmt.Errorf("%w: out %q must contain {%s}, e.g. outgoing.{group}.{device}.{event}", ErrInvalidTemplate, t, name)
-		}
+	if !t.has(device) {
+		return fmt.Errorf("%w: out %q must contain {device}, e.g. outgoing.{group}.{device}.{event}", ErrInvalidTemplate, t)
 	}
-	for _, name := range t.names {
-		if name != group && !l.In.has(name) {
-			return fmt.Errorf("%w: out %q uses {%s}, which in %q does not have; use only {group} and placeholders of in",
-				ErrInvalidTemplate, t, name, l.In)
-		}
+	if t.has(partition) {
+		return fmt.Errorf("%w: out %q may not contain {partition}: the KVMapper-Partition header carries it", ErrInvalidTemplate, t)
 	}
 	return nil
 }
@@ -205,41 +210,155 @@ func (l *Layout) precompute() {
 			l.devIdx = i
 		}
 	}
-	l.outOps = l.ops(l.Out)
-	l.unmappedOps = l.ops(l.Unmapped)
+	l.unmappedOps = l.ops(l.Unmapped.tokens, nil)
 	l.malformed, _ = l.Unmapped.render(func(string) (string, error) { return malformedToken, nil })
 	l.storedShape = l.inPrefixDot + "<partition>" + strings.TrimPrefix(l.In.String(), l.In.Prefix())
 }
 
-// ops compiles t into steps, merging adjacent literals and dots so that rendering appends as few
-// pieces as possible.
-func (l *Layout) ops(t *Template) []op {
-	var ops []op
-	var lit strings.Builder
-	flush := func() {
-		if lit.Len() > 0 {
-			ops = append(ops, op{kind: opLit, text: lit.String()})
-			lit.Reset()
+// compile derives the schema of the device's values from Out and the headers, and the steps that
+// render them.
+func (l *Layout) compile() error {
+	sc := &Schema{group: -1}
+	add := func(name string, subject bool, hdr string) error {
+		if l.In.has(name) {
+			return nil
+		}
+		i := sc.Index(name)
+		if i < 0 {
+			if len(sc.fields) == MaxFields {
+				return fmt.Errorf("%w: the out and header templates use more than %d fields of the value", ErrInvalidTemplate, MaxFields)
+			}
+			i = len(sc.fields)
+			sc.fields = append(sc.fields, Field{Name: name})
+			if name == group {
+				sc.group = i
+			}
+		}
+		f := &sc.fields[i]
+		f.Subject = f.Subject || subject
+		if hdr != "" && (len(f.Headers) == 0 || f.Headers[len(f.Headers)-1] != hdr) {
+			f.Headers = append(f.Headers, hdr)
+		}
+		return nil
+	}
+	for _, name := range l.Out.names {
+		if err := add(name, true, ""); err != nil {
+			return err
 		}
 	}
-	for i, tk := range t.tokens {
-		if i > 0 {
-			lit.WriteByte('.')
+	for _, h := range l.headers {
+		for _, name := range h.names {
+			if err := add(name, false, h.name); err != nil {
+				return err
+			}
+		}
+	}
+	l.outOps = l.ops(l.Out.tokens, sc)
+	l.outFast = sc.addRuns(l.outOps)
+	for _, h := range l.headers {
+		h.ops = l.headerOps(h.parts, sc)
+		h.fast = sc.addRuns(h.ops)
+		h.one, h.lit = oneOf(h.ops)
+		h.fastOne, _ = oneOf(h.fast)
+	}
+	l.schema = sc
+	l.fastLen = -1
+	if len(sc.runs) > 0 {
+		l.fastLen = len(sc.fields) + len(sc.runs)
+	}
+	return nil
+}
+
+// addRuns returns ops with each stretch of literal text and fields between two placeholders of
+// In that holds a field, and more than that field alone, replaced by one step: a part the
+// schema renders once per value, when it decodes it (see [Schema.Append]). Rendering a message
+// then appends one piece per part: "outgoing.eu.g7." rather than five.
+func (sc *Schema) addRuns(ops []op) []op {
+	var out, run []op
+	flush := func() {
+		values := 0
+		for _, o := range run {
+			if o.kind == opValue {
+				values++
+			}
 		}
 		switch {
-		case !tk.ph:
-			lit.WriteString(tk.text)
-		case tk.text == group:
-			flush()
-			ops = append(ops, op{kind: opGroup})
+		case values == 0 || len(run) == 1:
+			out = append(out, run...)
 		default:
-			flush()
-			ops = append(ops, op{kind: opField, idx: l.inIndex(tk.text)})
+			out = append(out, op{kind: opValue, idx: len(sc.fields) + len(sc.runs)})
+			sc.runs = append(sc.runs, run)
 		}
+		run = nil
+	}
+	for _, o := range ops {
+		if o.kind == opField {
+			flush()
+			out = append(out, o)
+			continue
+		}
+		run = append(run, o)
 	}
 	flush()
-	return ops
+	return out
 }
+
+// ops compiles tokens into steps, merging adjacent literals and dots so that rendering appends as
+// few pieces as possible. Placeholders of In render their span, others their field of the
+// device's values (sc).
+func (l *Layout) ops(tokens []token, sc *Schema) []op {
+	var b opBuilder
+	for i, tk := range tokens {
+		if i > 0 {
+			b.lit.WriteByte('.')
+		}
+		b.add(l, tk, sc)
+	}
+	return b.done()
+}
+
+// headerOps is ops for a header template, whose parts are joined as they are.
+func (l *Layout) headerOps(parts []token, sc *Schema) []op {
+	var b opBuilder
+	for _, tk := range parts {
+		b.add(l, tk, sc)
+	}
+	return b.done()
+}
+
+type opBuilder struct {
+	ops []op
+	lit strings.Builder
+}
+
+func (b *opBuilder) flush() {
+	if b.lit.Len() > 0 {
+		b.ops = append(b.ops, op{kind: opLit, text: b.lit.String()})
+		b.lit.Reset()
+	}
+}
+
+func (b *opBuilder) add(l *Layout, tk token, sc *Schema) {
+	switch {
+	case !tk.ph:
+		b.lit.WriteString(tk.text)
+	case l.inIndex(tk.text) >= 0:
+		b.flush()
+		b.ops = append(b.ops, op{kind: opField, idx: l.inIndex(tk.text)})
+	default:
+		b.flush()
+		b.ops = append(b.ops, op{kind: opValue, idx: sc.Index(tk.text)})
+	}
+}
+
+func (b *opBuilder) done() []op {
+	b.flush()
+	return b.ops
+}
+
+// Schema returns what the out and header templates need of a device's value: the fields they
+// use, besides the placeholders of In.
+func (l *Layout) Schema() *Schema { return l.schema }
 
 // inIndex returns the index of name among In's placeholders, or -1.
 func (l *Layout) inIndex(name string) int {

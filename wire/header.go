@@ -9,6 +9,7 @@ const (
 	HeaderEpoch     = "KVMapper-Epoch"       // provenance: the owner's lease epoch
 	HeaderRevision  = "KVMapper-Revision"    // provenance: KV revision of the mapping used
 	HeaderOrigMsgID = "KVMapper-Orig-Msg-Id" // a Nats-Msg-Id the device set, kept under another name
+	HeaderField     = "KVMapper-Field"       // on a dead letter of a bad value: the field of the device's value at fault
 	// HeaderReplay names, on every message a replay publishes (unless provenance is off), the
 	// replay that published it.
 	HeaderReplay = "KVMapper-Replay"

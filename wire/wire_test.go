@@ -25,6 +25,10 @@ func TestWireNames(t *testing.T) {
 		{wire.ProbeDevicePrefix, "kvmapper-probe-"},
 		{wire.ReasonNoMapping, "no-mapping"},
 		{wire.ReasonInvalidGroup, "invalid-group"},
+		{wire.ReasonInvalidValue, "invalid-value"},
+		{wire.ReasonMissingField, "missing-field"},
+		{wire.ReasonInvalidField, "invalid-field"},
+		{wire.HeaderField, "KVMapper-Field"},
 		{wire.ReasonMalformedSubject, "malformed-subject"},
 		{wire.ReasonOversized, "oversized"},
 		{wire.ReasonRejected, "rejected"},
@@ -58,7 +62,7 @@ func TestWireNames(t *testing.T) {
 			t.Errorf("got %q, want %q", tc.got, tc.want)
 		}
 	}
-	if got, want := len(wire.Reasons), 8; got != want {
+	if got, want := len(wire.Reasons), 11; got != want {
 		t.Errorf("len(Reasons) = %d, want %d", got, want)
 	}
 	for _, r := range wire.Reasons {

@@ -60,7 +60,8 @@ func layoutFlags() []cli.Flag {
 		&cli.StringFlag{Name: "direct-receive", Value: string(wire.ReceiveMapping), Usage: "direct mode: mapping (the server stamps the partition) or all (no server configuration)"},
 		&cli.IntFlag{Name: "partitions", Value: 16, Usage: "number of partitions of INCOMING (fixed when the stream is created)"},
 		&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template devices publish to"},
-		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to"},
+		&cli.StringFlag{Name: "out", Value: "outgoing.{group}.{device}.{event}", Usage: "subject template mapped messages go to; {name} is a field of the device's value when in has none of that name"},
+		&cli.StringSliceFlag{Name: "header", Usage: "an output header of mapped messages, Name={field}, e.g. Tenant={tenant} (repeat for more)"},
 		&cli.StringFlag{Name: "unmapped", Value: "unmapped.{device}.{event}", Usage: "subject template dead letters go to"},
 		&cli.StringFlag{Name: "incoming-stream", Value: subjects.DefaultNames.Incoming, Usage: "stream devices publish into"},
 		&cli.StringFlag{Name: "outgoing-stream", Value: subjects.DefaultNames.Outgoing, Usage: "stream mapped messages go to"},
@@ -141,6 +142,9 @@ func layout(c *cli.Context) (*subjects.Layout, error) {
 	lay, err := subjects.NewLayout(c.String("in"), c.String("out"), c.String("unmapped"), c.Int("partitions"))
 	if err != nil {
 		return nil, usageError{err}
+	}
+	if lay, err = lay.WithHeaders(c.StringSlice("header")); err != nil {
+		return nil, usageError{fmt.Errorf("flag --header: %w", err)}
 	}
 	return lay, nil
 }

@@ -157,5 +157,8 @@ func replayLayout(c *cli.Context, names subjects.Names, into string) (*subjects.
 	if err != nil {
 		return nil, usageError{err}
 	}
+	if lay, err = lay.WithHeaders(live.Headers()); err != nil {
+		return nil, usageError{err}
+	}
 	return lay, nil
 }

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -47,10 +48,12 @@ type node struct {
 	name   string
 	client *link // the address clients dial
 
-	srv         *Server // nil while down
-	opts        *server.Options
-	port        int // client port, kept across restarts
-	clusterPort int // route port, kept across restarts
+	srv  *Server // nil while down
+	opts *server.Options
+	// The ports the server listens on, picked by the server at each start (no port is reserved
+	// by closing a listener, which races with other servers starting): clients and peers reach
+	// it through its links, which read them when they dial.
+	port, clusterPort atomic.Int32
 }
 
 // StartCluster starts n servers (at least 1) named n0, n1… in a cluster and waits until
@@ -76,8 +79,8 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	c.links = make([][]*link, n)
 	c.nodes = make([]*node, n)
 	for i := range n {
-		nd := &node{name: fmt.Sprintf("n%d", i), port: -1, clusterPort: -1}
-		if nd.client, err = newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", nd.port) }); err != nil {
+		nd := &node{name: fmt.Sprintf("n%d", i)}
+		if nd.client, err = newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", nd.port.Load()) }); err != nil {
 			t.Fatalf("natstest: listening: %v", err)
 		}
 		c.nodes[i] = nd
@@ -89,21 +92,12 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 				continue
 			}
 			to := c.nodes[j]
-			l, err := newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", to.clusterPort) })
+			l, err := newLink(func() string { return fmt.Sprintf("127.0.0.1:%d", to.clusterPort.Load()) })
 			if err != nil {
 				t.Fatalf("natstest: listening: %v", err)
 			}
 			c.links[i][j] = l
 		}
-	}
-	// The cluster ports must be known before any node dials: listen on them first.
-	for i := range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("natstest: listening: %v", err)
-		}
-		c.nodes[i].clusterPort = ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
 	}
 	for i, nd := range c.nodes {
 		o := Options(dirs[i])
@@ -113,7 +107,7 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 		o.ServerName = nd.name
 		o.ClientAdvertise = nd.client.addr()
 		o.Cluster = server.ClusterOpts{
-			Name: c.name, Host: "127.0.0.1", Port: nd.clusterPort,
+			Name: c.name, Host: "127.0.0.1", Port: -1,
 			// Gossiped addresses lead to the sink, so that every route between two nodes is one
 			// they were configured with, through their link.
 			Advertise:   c.sink.addr(),
@@ -134,20 +128,49 @@ func StartCluster(t testing.TB, n int, mods ...func(*server.Options)) *Cluster {
 	return c
 }
 
-// start starts node i with its options and the ports it had before.
+// The system account's user of a Cluster's nodes, for [Cluster.MoveMetaLeaderOff]: the meta
+// group's step-down is a request of the system account.
+const sysUser, sysPassword = "natstest-sys", "natstest-sys"
+
+// withSystemUser gives o a system account with a user of its own, unless the caller configured
+// users or a system account: every other client still connects without credentials, into the
+// global account (its no-auth user), as it would with no authorization at all.
+func withSystemUser(o *server.Options) {
+	if o.SystemAccount != "" || len(o.Users) > 0 || len(o.Nkeys) > 0 || o.Username != "" || o.Authorization != "" || o.NoAuthUser != "" {
+		return
+	}
+	sys := server.NewAccount("NATSTEST_SYS")
+	var global *server.Account
+	for _, a := range o.Accounts {
+		if a.Name == server.DEFAULT_GLOBAL_ACCOUNT {
+			global = a
+		}
+	}
+	o.Accounts = append(o.Accounts, sys)
+	o.SystemAccount = sys.Name
+	o.Users = []*server.User{
+		{Username: sysUser, Password: sysPassword, Account: sys},
+		{Username: "natstest-app", Password: "natstest-app", Account: global},
+	}
+	o.NoAuthUser = "natstest-app"
+}
+
+// start starts node i with its options, on ports the server picks.
 func (c *Cluster) start(i int) {
 	c.t.Helper()
 	nd := c.nodes[i]
 	o := *nd.opts
 	// The funcs again, on options of this start's own: what they make (an account with its
 	// mappings, say) holds a server's state and must not be shared with the server it replaces.
+	// The system account's user too, made afresh after them.
+	o.Accounts, o.Users, o.SystemAccount, o.NoAuthUser = nil, nil, "", ""
 	for _, m := range c.mods {
 		m(&o)
 	}
+	withSystemUser(&o)
 	o.StoreDir, o.ServerName, o.ClientAdvertise = nd.opts.StoreDir, nd.opts.ServerName, nd.opts.ClientAdvertise
 	o.Cluster, o.Routes = nd.opts.Cluster, nd.opts.Routes
-	o.Port = nd.port
-	o.Cluster.Port = nd.clusterPort
+	o.Port, o.Cluster.Port = -1, -1
 	s, err := server.NewServer(&o)
 	if err != nil {
 		c.t.Fatalf("natstest: server.NewServer(%s): %v", nd.name, err)
@@ -158,7 +181,8 @@ func (c *Cluster) start(i int) {
 		c.t.Fatalf("natstest: %s not ready within 10s", nd.name)
 	}
 	nd.srv = &Server{Server: s, Opts: &o, t: c.t}
-	nd.port = nd.srv.Port()
+	nd.port.Store(int32(nd.srv.Port()))
+	nd.clusterPort.Store(int32(s.ClusterAddr().Port))
 	nd.client.mend()
 	for j := range c.nodes {
 		if j != i {
@@ -239,6 +263,60 @@ func (c *Cluster) MetaLeader() int {
 		}
 	}
 	return -1
+}
+
+// MoveMetaLeaderOff makes sure node i does not lead the JetStream meta group: while it does, it
+// asks it to step down (in the system account) and waits until another node leads. A test that
+// kills node i to take away a stream's leader calls it first, so that it does not measure a meta
+// election too.
+func (c *Cluster) MoveMetaLeaderOff(i int) {
+	c.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	moved := func() bool { l := c.MetaLeader(); return l >= 0 && l != i }
+	for !moved() {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("natstest: %s still leads the meta group, or none does, after 60s of step-downs", c.nodes[i].name)
+		}
+		if c.MetaLeader() == i {
+			c.metaStepDown(i)
+		}
+		// A step-down hands over within milliseconds; one that did not is asked again.
+		again := time.Now().Add(10 * time.Second)
+		for !moved() && time.Now().Before(again) {
+			poll := time.NewTimer(20 * time.Millisecond)
+			<-poll.C
+		}
+	}
+}
+
+// metaStepDown asks the meta leader, node i, to hand the meta group to another running node.
+func (c *Cluster) metaStepDown(i int) {
+	c.t.Helper()
+	var to []int
+	for _, j := range c.running() {
+		if j != i {
+			to = append(to, j)
+		}
+	}
+	if len(to) == 0 {
+		c.t.Fatalf("natstest: no other running node to lead the meta group instead of %s", c.nodes[i].name)
+	}
+	nc, err := nats.Connect(c.URL(to[0]), nats.UserInfo(sysUser, sysPassword))
+	if err != nil {
+		c.t.Fatalf("natstest: connecting to the system account: %v", err)
+	}
+	defer nc.Close()
+	resp, err := nc.Request("$JS.API.META.LEADER.STEPDOWN", nil, 10*time.Second)
+	if err != nil {
+		c.t.Logf("natstest: stepping the meta leader %s down: %v (asking again)", c.nodes[i].name, err)
+		return
+	}
+	var r struct {
+		Success bool `json:"success"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil || !r.Success {
+		c.t.Logf("natstest: stepping the meta leader %s down: %v %s (asking again)", c.nodes[i].name, err, resp.Data)
+	}
 }
 
 // Size returns the number of nodes, up or down.

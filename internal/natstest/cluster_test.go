@@ -94,3 +94,25 @@ func TestClusterKillIsACrash(t *testing.T) {
 		return nil
 	})
 }
+
+// TestMoveMetaLeaderOff checks what the cluster tests rely on before a kill: the meta group's
+// leader leaves the node named, and clients without credentials still use JetStream.
+func TestMoveMetaLeaderOff(t *testing.T) {
+	c := natstest.StartCluster(t, 3)
+	meta := c.MetaLeader()
+	c.MoveMetaLeaderOff(meta)
+	if got := c.MetaLeader(); got == meta || got < 0 {
+		t.Fatalf("MetaLeader() = %d after MoveMetaLeaderOff(%d), want another node", got, meta)
+	}
+	other := (c.MetaLeader() + 1) % 3
+	c.MoveMetaLeaderOff(other) // not the leader: nothing to do
+	js, err := jetstream.New(c.Connect(t, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "S", Subjects: []string{"s.>"}, Replicas: 3}); err != nil {
+		t.Fatalf("CreateStream without credentials: %v", err)
+	}
+}

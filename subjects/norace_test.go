@@ -1,0 +1,5 @@
+//go:build !race
+
+package subjects_test
+
+const raceEnabled = false
