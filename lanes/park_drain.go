@@ -108,6 +108,7 @@ type drainEntry struct {
 	reason string // non-empty for a dead letter
 	ref    refusal
 	cost   int64
+	room   bool // it holds cost of the pool's window (not while its drain pauses after a failure)
 }
 
 // startDrain starts draining dev in mode.
@@ -115,8 +116,12 @@ func (l *lane) startDrain(ctx context.Context, dev *parkedDevice, mode drainMode
 	s := l.park
 	s.nextID++
 	// A drain cut short (its owner killed) resends what was stored and not purged: counted as
-	// the duplicates they are, one at a time until the first new store (newWriter).
+	// the duplicates they are, one at a time until the first new store (newWriter). On a
+	// stream written singly, too, the first goes alone: a release whose publishes hang holds
+	// one message of the window, not all the room the device's new parks need
+	// (TestParkThenReleaseInOrder).
 	d := &drain{id: s.nextID, dev: dev, mode: mode, purgedAt: time.Now(), w: l.newWriter(ctx, outParked)}
+	d.w.ProbeAll()
 	dev.drain = d
 	s.drains[d.id] = d
 	l.log.Debug().Str("device", dev.name).Uint8("mode", uint8(mode)).Msg("draining a parked device")
@@ -261,14 +266,18 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 	return true
 }
 
-// drainAdmit hands d's held message to its writer if the window has room and the lease holds.
+// drainAdmit hands d's held message to its writer if the window has room, the lease holds and
+// the writer would send it now: while it sends one message at a time (the first of a drain, the
+// first after a failure), what waits behind would only hold room of the lane's window, which the
+// device's new parks need (TestParkThenReleaseInOrder).
 func (l *lane) drainAdmit(d *drain) {
 	e := d.held
-	if e == nil || !l.valid() || !l.p.window.take(&l.grant, e.cost) {
+	if e == nil || !l.valid() || d.w.Waiting() || !l.p.window.take(&l.grant, e.cost) {
 		return
 	}
 	d.held = nil
 	d.last = e.seq
+	e.room = true
 	d.q = append(d.q, e)
 	d.w.Send(&e.om)
 	d.w.Flush() // a drain hands one message at a time: what waits goes as the next batch
@@ -326,6 +335,7 @@ func (l *lane) parkAnswered() {
 	}
 	for _, d := range l.park.drains {
 		l.drainPop(d)
+		l.drainAdmit(d)
 		l.drainCheck(d)
 	}
 }
@@ -342,8 +352,10 @@ func (l *lane) drainPop(d *drain) {
 			d.dev.count--
 			l.park.nMsgs.Add(-1)
 		}
-		n++
-		bytes += e.cost
+		if e.room {
+			n++
+			bytes += e.cost
+		}
 		switch {
 		case m.Dropped:
 		case m.Duplicate:
@@ -360,11 +372,14 @@ func (l *lane) drainPop(d *drain) {
 
 // drainRelease gives back the room d's publishes still hold and forgets them.
 func (l *lane) drainRelease(d *drain) {
-	var bytes int64
+	var n, bytes int64
 	for _, e := range d.q {
-		bytes += e.cost
+		if e.room {
+			n++
+			bytes += e.cost
+		}
 	}
-	l.p.window.give(&l.grant, int64(len(d.q)), bytes)
+	l.p.window.give(&l.grant, n, bytes)
 	d.q, d.held = nil, nil
 	d.w.Drop()
 }
@@ -397,11 +412,13 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 				ev.Int("partition", l.a.Partition).Str("device", d.dev.name).Err(first).
 					Msg("a drained message's publish failed; resending in order")
 			})
-		case !now.Before(d.retryAt):
+			l.drainPause(d)
+		case !now.Before(d.retryAt) && l.drainResume(d):
 			d.retryAt = time.Time{}
-			if err := d.w.Resend(l.drainHooks(d)); err == nil {
-				d.giveToken()
-			}
+			_ = d.w.Resend(l.drainHooks(d)) // a stop is the lane's to see (valid)
+			// Read on from what the pause kept: the reader hands one message now, and drainAdmit
+			// holds it until the writer would send it.
+			l.startReader(ctx, d, d.last+1)
 			l.drainPop(d)
 			l.drainCheck(d)
 		}
@@ -415,6 +432,70 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 		d.purgedTo, d.purgedAt = d.through, now
 		l.queuePurge(d.dev.name, d.through)
 	}
+}
+
+// drainPause makes d hold no room of the window while it waits to resend after a failure (as
+// the lane's own publishes keep theirs): a drain whose stream does not answer must not starve the
+// lane's parks of the device, which queue behind it (TestParkThenReleaseInOrder, whose lane's
+// share of the window is one message). It keeps what its writer has up to the last message
+// stored (those behind it need no resending) and at least the first not stored, and reads the
+// rest from PARKED again once it resends.
+func (l *lane) drainPause(d *drain) {
+	keep := 1
+	for i, e := range d.q {
+		if e.om.Stored {
+			keep = i + 1
+		}
+	}
+	keep = min(keep, len(d.q))
+	var n, bytes int64
+	for _, e := range d.q {
+		if e.room {
+			e.room = false
+			n++
+			bytes += e.cost
+		}
+	}
+	l.p.window.give(&l.grant, n, bytes)
+	if keep < len(d.q) {
+		clear(d.q[keep:])
+		d.q = d.q[:keep]
+		d.w.Keep(keep)
+	}
+	if len(d.q) > 0 {
+		d.last = d.q[len(d.q)-1].seq
+	}
+	d.held = nil
+	d.stopReader()
+	d.stopping, d.stopAt = false, time.Time{} // the reader finds where to stop again
+}
+
+// drainResume takes room again for what d kept through its pause and has to resend; false when
+// the window has none for it yet (the next tick tries again).
+func (l *lane) drainResume(d *drain) bool {
+	var n, bytes int64
+	ok := true
+	for _, e := range d.q {
+		if e.room || e.om.Stored {
+			continue
+		}
+		if !l.p.window.take(&l.grant, e.cost) {
+			ok = false
+			break
+		}
+		e.room = true
+		n++
+		bytes += e.cost
+	}
+	if !ok {
+		for _, e := range d.q {
+			if e.room {
+				e.room = false
+			}
+		}
+		l.p.window.give(&l.grant, n, bytes)
+	}
+	return ok
 }
 
 // drainCheck finishes d when it is done: everything PARKED held of the device has been

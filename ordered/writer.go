@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -266,6 +267,15 @@ func (w *Writer) Probe() {
 	}
 }
 
+// ProbeAll is [Writer.Probe] for every stream, single-mode ones too: a single-mode stream's
+// first message goes alone and the rest once it is stored. A sender whose first message may
+// hang (a stream that does not answer) then holds one message in flight, not a window's worth.
+func (w *Writer) ProbeAll() {
+	for _, t := range w.targets {
+		t.probe = true
+	}
+}
+
 // SetFence makes every batch stream i stores from now on carry a check on its first message (and
 // every message sent alone): the stream stores it only while the last message on subject in it
 // is at sequence seq, the fence record the caller wrote there. A refusal of that check is the
@@ -307,6 +317,22 @@ func (w *Writer) Len() int { return len(w.q) }
 // before [Writer.Recover] (or Settled and Resend).
 func (w *Writer) Failed() bool { return w.failed }
 
+// Waiting tells whether a message given now would wait rather than go out: a round of resends
+// is due, or a stream sends one message at a time (a probe) and one is in flight. A sender that
+// hands on one message at a time (the park drain) holds its next one back meanwhile, rather than
+// let its writer queue what holds room of a window others share.
+func (w *Writer) Waiting() bool {
+	if w.failed || w.fenced != nil {
+		return true
+	}
+	for _, t := range w.targets {
+		if t.probe && (t.probing != nil || t.open || len(t.pending) > 0) {
+			return true
+		}
+	}
+	return false
+}
+
 // Head returns the oldest message not popped, or nil.
 func (w *Writer) Head() *Msg {
 	if len(w.q) == 0 {
@@ -326,6 +352,22 @@ func (w *Writer) Pop() *Msg {
 	w.q = w.q[1:]
 	w.backoff = 0
 	return m
+}
+
+// Keep removes every message after the first n, which must be settled ([Writer.Settled]), and
+// returns them: a caller that can give them again later (the park drain reads them from PARKED
+// again) holds less meanwhile. What it gives next must have keys above the last one kept.
+func (w *Writer) Keep(n int) []*Msg {
+	if n >= len(w.q) {
+		return nil
+	}
+	out := slices.Clone(w.q[n:])
+	clear(w.q[n:])
+	w.q = w.q[:n]
+	for _, t := range w.targets {
+		t.held, t.pending = nil, nil
+	}
+	return out
 }
 
 // Drop removes every message and returns them, settled or not: the caller stops.
