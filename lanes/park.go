@@ -110,8 +110,8 @@ type parking struct {
 	// (by the lane, when it stops); nobody closes events.
 	events chan parkEvent
 	done   chan struct{}
-	wg     sync.WaitGroup // every goroutine of parking
-	stopWG func()         // cancels the goroutines' context
+	wg     sync.WaitGroup  // every goroutine of parking
+	gctx   context.Context // the goroutines' context: the lane's, cancelled when parking stops
 
 	parked jetstream.Stream // opened at claim; nil when the stream was missing
 
@@ -252,7 +252,7 @@ func (l *lane) startParking(ctx context.Context) (func(), error) {
 		backoff = min(2*backoff, l.p.cfg.MaxRetryBackoff)
 	}
 	gctx, cancel := context.WithCancel(ctx)
-	s.stopWG = cancel
+	s.gctx = gctx
 	s.wg.Go(func() { l.watchUnpark(gctx) })
 	var once sync.Once
 	return func() {
@@ -501,7 +501,7 @@ func (l *lane) parkTick(ctx context.Context, now time.Time) {
 		s.lastSweep = now
 		l.sweep(now)
 	}
-	l.startPurge(ctx)
+	l.startPurge()
 	l.parkStep(ctx)
 }
 
