@@ -420,6 +420,17 @@ func (l *lane) stop(why error) error {
 	defer cancel()
 	if why == nil {
 		l.w.Flush()
+	} else {
+		// Fenced: nothing new may be stored, but what was sent may have been, and the final
+		// checkpoint should cover it, or the next owner sends it again (a duplicate,
+		// TestRecreatedControlBucketUnderARunningReplica). An open batch is ended to learn its
+		// outcome; what was never sent is not stored.
+		l.w.EndBatches()
+		for !l.w.Settled() && ctx.Err() == nil && l.w.Fenced() == nil {
+			if err := l.w.Wait(ctx); err != nil {
+				break
+			}
+		}
 	}
 	for len(l.q) > 0 && ctx.Err() == nil {
 		l.popSettled()

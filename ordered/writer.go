@@ -370,6 +370,20 @@ func (w *Writer) Keep(n int) []*Msg {
 	return out
 }
 
+// EndBatches ends every open fast-ingest batch whose commit was not sent, to learn its outcome
+// ([Writer.endBatch]), and forgets what was given and not sent: a writer that may store nothing
+// more (its lane lost its lease) still learns what it stored, so that its checkpoint covers it
+// and the next owner does not send it again. It stores nothing new: the end of batch is a copy
+// of a message already sent, a duplicate if that was stored and behind a gap if not.
+func (w *Writer) EndBatches() {
+	for _, t := range w.targets {
+		t.held, t.pending = nil, nil
+		if t.Mode == ModeBatch && t.open && !t.commit {
+			w.endBatch(t)
+		}
+	}
+}
+
 // Drop removes every message and returns them, settled or not: the caller stops.
 func (w *Writer) Drop() []*Msg {
 	q := w.q
