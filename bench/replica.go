@@ -36,13 +36,25 @@ func RunReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names
 	if err != nil {
 		return err
 	}
+	// The control plane on a connection of its own, as kvmapper run dials it.
+	cnc, err := nats.Connect(url, nats.Name("kvmapper bench "+id+" control"), nats.MaxReconnects(-1),
+		nats.ReconnectWait(250*time.Millisecond), nats.ReconnectBufSize(-1))
+	if err != nil {
+		return err
+	}
+	defer cnc.Close()
+	control, err := jetstream.New(cnc)
+	if err != nil {
+		return err
+	}
 	scfg := setup.Config{Layout: lay, Names: n.Names}
 	scfg.Defaults()
 	r, err := mapper.New(ctx, js, mapper.Config{
-		ID:     id,
-		Setup:  scfg,
-		Lanes:  lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance},
-		Logger: log.With().Str("replica", id).Logger(),
+		ID:      id,
+		Control: control,
+		Setup:   scfg,
+		Lanes:   lanes.Config{Layout: lay, Incoming: n.Incoming, NoProvenance: n.NoProvenance},
+		Logger:  log.With().Str("replica", id).Logger(),
 	})
 	if err != nil {
 		return err

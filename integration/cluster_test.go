@@ -68,9 +68,9 @@ func (e *clusterEnv) newGenerator(devices []string, rate int) *generator {
 //     led alone by its node, the meta group led elsewhere.
 //
 // Each kill is also the death of one replica's own server, and each killed node is restarted
-// after missing writes. Nothing may be lost or duplicated and no partition may change owner;
-// nothing may be reordered, except by a step-down of OUTGOING's or UNMAPPED's leader, and then
-// kvmapper must have counted every reorder.
+// after missing writes. Nothing may be lost, duplicated or reordered (a step-down of OUTGOING's
+// or UNMAPPED's leader included: the lanes write them in atomic batches), and no partition may
+// change owner.
 func TestClusterRidesThroughNodeLoss(t *testing.T) {
 	start := time.Now()
 	devices := deviceNames("dev-", 100)
@@ -272,7 +272,7 @@ func (e *clusterEnv) alone(nc *nats.Conn, stream string, windows *[]window) int 
 
 // stepDown asks stream's leader to hand over, to node to (-1: any other), and returns the
 // window of the fault: the few seconds after it in which a message that fails in the handover
-// is resent. A step-down of an output stream may reorder (see window.reorders).
+// is resent.
 func (e *clusterEnv) stepDown(nc *nats.Conn, stream string, to int) window {
 	e.t.Helper()
 	start := time.Now()
@@ -283,8 +283,7 @@ func (e *clusterEnv) stepDown(nc *nats.Conn, stream string, to int) window {
 		from = e.c.StepDownTo(nc, stream, to)
 	}
 	e.t.Logf("stepped %s down: %s → %s", stream, e.c.Name(from), e.c.Name(to))
-	return window{name: "step-down of " + stream, from: start, to: time.Now().Add(5 * time.Second),
-		reorders: stream == e.names.Outgoing || stream == e.names.Unmapped, quiet: true}
+	return window{name: "step-down of " + stream, from: start, to: time.Now().Add(5 * time.Second), quiet: true}
 }
 
 // movedOnce checks that device's messages in OUTGOING went to group from, then, from one point

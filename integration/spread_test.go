@@ -97,8 +97,8 @@ func TestSetupSpreadsPartitionLeaders(t *testing.T) {
 
 // spreadLeaders runs setup with BalanceLeaders, as `kvmapper setup` does, while the replicas map
 // under load, and checks that every server then leads 5 or 6 of the 16 partition streams and
-// that no partition changed owner. Its window excuses no reorder: a partition stream's
-// step-down must not reverse any device's messages.
+// that no partition changed owner. A partition stream's step-down must not reverse any device's
+// messages (no window excuses a reorder).
 func (e *clusterEnv) spreadLeaders(owners []string) window {
 	e.t.Helper()
 	start := time.Now()

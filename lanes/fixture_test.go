@@ -125,8 +125,13 @@ func (f *fixture) setupConfig() setup.Config {
 }
 
 // config is c with the fixture's layout and stream layout.
+// config is c on the fixture's layout, logging to stderr when KVMAPPER_TEST_LOG names a level.
 func (f *fixture) config(c lanes.Config) lanes.Config {
 	c.Layout, c.Incoming, c.StreamLayout = f.lay, f.names.Incoming, f.names.StreamLayout
+	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
+		lvl, _ := zerolog.ParseLevel(os.Getenv("KVMAPPER_TEST_LOG"))
+		c.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(lvl).With().Timestamp().Logger()
+	}
 	return c
 }
 
@@ -142,14 +147,10 @@ func (f *fixture) connect() {
 }
 
 // newPool returns a pool on the fixture's layout, with a 20ms checkpoint interval unless cfg
-// sets one, logging to stderr when KVMAPPER_TEST_LOG names a level.
+// sets one (see [fixture.config]).
 func (f *fixture) newPool(cfg lanes.Config) *lanes.Pool {
 	f.t.Helper()
 	cfg = f.config(cfg)
-	if os.Getenv("KVMAPPER_TEST_LOG") != "" {
-		lvl, _ := zerolog.ParseLevel(os.Getenv("KVMAPPER_TEST_LOG"))
-		cfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(lvl).With().Timestamp().Logger()
-	}
 	if cfg.CheckpointInterval == 0 {
 		cfg.CheckpointInterval = 20 * time.Millisecond
 	}

@@ -14,19 +14,21 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
+	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
 // entry is one INCOMING message on its way out, from publish to acknowledgement.
 type entry struct {
+	// om is what the lane's writer publishes and what it learns of it: Key is seq, Stream the
+	// output stream (streamOf), Out the mapped message m or a dead letter.
+	om       ordered.Msg
 	seq      uint64        // INCOMING stream sequence
 	src      jetstream.Msg // the consumed message, to rebuild a dead letter from
-	msg      *nats.Msg     // what is published (OUTGOING or UNMAPPED): m, or a dead letter
 	m        nats.Msg      // the message itself, allocated with the entry
 	hdr      nats.Header   // the entry's own header map, cleared and refilled for every message
-	text     []byte        // the bytes of subject, reply, Nats-Msg-Id and revision (see [entry.str])
-	reply    string        // the reply subject: the lane's inbox and seq
+	text     []byte        // the bytes of subject, Nats-Msg-Id and revision (see [entry.since])
 	id       [1]string     // backing of the Nats-Msg-Id header value
 	rev      [1]string     // backing of the KVMapper-Revision header value
 	hvals    []string      // backing of the output headers' values, one each (see [subjects.Layout.WithHeaders])
@@ -34,17 +36,14 @@ type entry struct {
 	device   string        // the device, for the reorder check (a substring of the INCOMING subject)
 	stripped bool          // a dead letter reduced to its reason after UNMAPPED refused it
 	parked   bool          // built as a park (see park.go): to PARKED unless reason is set
-	gen      uint64        // connection generation (reconnect count) when last sent
-	sent     time.Time     // when last sent, for the acknowledgement timeout
 	cost     int64         // bytes it holds of the pool's window: its size on the wire when admitted
-	out      uint64        // the output stream's sequence of the message, from the acknowledgement
-
-	acked     bool  // the stream stored it (or had it already)
-	duplicate bool  // the stream said it had it already
-	err       error // set once failed; cleared when resent
 }
 
-func (e *entry) settled() bool { return e.acked || e.err != nil }
+// msg is what e publishes: the mapped message, or a dead letter.
+func (e *entry) msg() *nats.Msg { return e.om.Out }
+
+// acked tells whether e's stream stored it (or had it already), or the lane gave up on it.
+func (e *entry) acked() bool { return e.om.Stored || e.om.Dropped }
 
 // reset clears e for its next message, keeping the header map, the text buffer and the
 // header values' backing it owns.
@@ -106,21 +105,18 @@ type lane struct {
 	cpDone chan cpResult
 	cpWG   sync.WaitGroup
 
-	q        []*entry      // in flight, in stream order
-	held     *entry        // consumed and prepared, waiting for room in the pool's window
-	grant    grant         // what the lane holds of the pool's window
-	ro       reorders      // finds the messages this lane stored out of their device's order
-	failed   bool          // some entry failed: resend before sending anything new
-	answered time.Time     // when anything last came on the acknowledgement inbox (see [lane.expire])
-	timeout  time.Duration // acknowledgement timeout now: PublishTimeout, doubled per timeout in a row
-	backoff  time.Duration
+	q     []*entry // in flight, in stream order: the entries of w's queue, one for one
+	held  *entry   // consumed and prepared, waiting for room in the pool's window
+	grant grant    // what the lane holds of the pool's window
+	ro    reorders // finds the messages this lane stored out of their device's order
 
-	free []*entry       // settled entries, reused: most of a message's allocations are its entry
-	acks chan *nats.Msg // the stream's acknowledgements, on the lane's own inbox
+	in *ordered.Inbox  // the answers of the lane's writers, read by the lane's goroutine
+	w  *ordered.Writer // the lane's own writer: OUTGOING, UNMAPPED, PARKED
+
+	free []*entry // settled entries, reused: most of a message's allocations are its entry
 	// readErr carries the error that ended reading for good (INCOMING re-created); the reader
 	// and watchIncarnation send at most one between them, and nobody closes it.
 	readErr chan error
-	inbox   string // "<inbox>.": a reply subject is inbox + sequence
 
 	feed feed // bounds the bytes the reader has handed on and the lane not yet taken
 
@@ -155,7 +151,6 @@ func newLane(p *Pool, a Assignment) *lane {
 		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
 		key:      wire.CheckpointKey(a.Partition),
 		buf:      make([]byte, 0, 256),
-		timeout:  p.cfg.PublishTimeout,
 		clock:    leaseClock{valid: a.Valid},
 		partHdr:  []string{strconv.Itoa(a.Partition)},
 		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
@@ -193,11 +188,11 @@ func (l *lane) run(ctx context.Context) error {
 	l.stats.checkpoint.Store(start)
 	l.p.register(l)
 	defer l.p.unregister(l)
-	unsubscribe, err := l.subscribeAcks()
+	closeInbox, err := l.startWriter(ctx)
 	if err != nil {
 		return err
 	}
-	defer unsubscribe()
+	defer closeInbox()
 	stopParking, err := l.startParking(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -232,7 +227,11 @@ func (l *lane) run(ctx context.Context) error {
 			stopReading()
 			return l.stop(ErrFenced)
 		}
-		if l.failed {
+		if err := l.w.Fenced(); err != nil {
+			stopReading()
+			return l.stop(ErrFenced)
+		}
+		if l.w.Failed() {
 			if err := l.recover(ctx); err != nil {
 				stopReading()
 				return l.stop(err)
@@ -247,7 +246,7 @@ func (l *lane) run(ctx context.Context) error {
 		if l.held != nil {
 			if l.admit(l.held) {
 				l.held = nil
-			} else if l.failed || !l.clock.holds() {
+			} else if l.w.Failed() || !l.clock.holds() {
 				continue
 			}
 		}
@@ -279,17 +278,19 @@ func (l *lane) run(ctx context.Context) error {
 			l.parkStep(ctx)
 		case ev := <-l.parkEvents():
 			l.parkEvent(ctx, ev)
-		case m := <-l.acks:
-			l.acknowledge(m)
-			l.drainAcks(burst - 1)
+		case m := <-l.in.C():
+			l.in.Handle(m)
+			l.in.Drain(burst - 1)
+			l.parkAnswered()
 		case r := <-l.cpDone:
 			if err := l.applyCheckpoint(r); err != nil {
 				stopReading()
 				return l.stop(err)
 			}
 		case now := <-tick.C:
-			l.drainAcks(-1)
-			l.expire(now)
+			l.in.Drain(-1)
+			l.w.Expire(now)
+			l.w.Flush()
 			l.startCheckpoint()
 			l.parkTick(ctx, now)
 		}
@@ -301,15 +302,22 @@ func (l *lane) run(ctx context.Context) error {
 const burst = feedLen
 
 // take publishes d and then, while there is room and nothing failed, the deliveries already
-// waiting in in, up to burst in all. A delivery there is no room for is held.
+// waiting in in, up to burst in all. A delivery there is no room for is held. When nothing more
+// is ready (in is empty, or no room is left) the writer commits what it batched: a batch never
+// waits to fill.
 func (l *lane) take(d delivery, in <-chan delivery) {
+	defer func() {
+		if len(in) == 0 || l.held != nil {
+			l.w.Flush()
+		}
+	}()
 	for n := 1; ; n++ {
 		l.feed.taken(d.size)
 		if e := l.prepare(d); !l.admit(e) {
 			l.held = e
 			return
 		}
-		if n == burst || l.failed {
+		if n == burst || l.w.Failed() {
 			return
 		}
 		select {
@@ -320,10 +328,10 @@ func (l *lane) take(d delivery, in <-chan delivery) {
 	}
 }
 
-// admit publishes e if the pool's window has room for it, unless the lease's clock has run out,
-// or the connection was replaced while earlier publishes were in flight: their acknowledgements
-// are lost, and sending on the new connection first would reorder. Then it gives the room back,
-// fails the old publishes so that they are resent first, and returns false.
+// admit hands e to the writer if the pool's window has room for it, unless the lease's clock
+// has run out. (The writer holds it back when the connection was replaced while earlier
+// publishes were in flight: their answers are lost, and sending on the new connection first
+// would reorder.)
 func (l *lane) admit(e *entry) bool {
 	if !l.clock.publish(e.cost) {
 		return false // the loop stops the lane
@@ -331,20 +339,16 @@ func (l *lane) admit(e *entry) bool {
 	if !l.p.window.take(&l.grant, e.cost) {
 		return false
 	}
-	gen := l.p.generation()
-	if len(l.q) > 0 && l.q[0].gen != gen {
-		l.p.window.give(&l.grant, 1, e.cost)
-		l.expire(time.Now())
-		return false
-	}
-	l.push(e, gen)
+	l.push(e)
 	return true
 }
 
-// push sends e and appends it to the in-flight queue; it holds room in the pool's window.
-func (l *lane) push(e *entry, gen uint64) {
-	l.send(e, gen)
+// push hands e to the writer and appends it to the in-flight queue; it holds room in the
+// pool's window.
+func (l *lane) push(e *entry) {
+	e.om.Key, e.om.Stream = e.seq, streamOf(e)
 	l.q = append(l.q, e)
+	l.w.Send(&e.om)
 	l.stats.inFlight.Store(int64(len(l.q)))
 }
 
@@ -352,10 +356,13 @@ func (l *lane) push(e *entry, gen uint64) {
 // gives their room in the window back.
 func (l *lane) popSettled() {
 	var n, bytes int64
-	for len(l.q) > 0 && l.q[0].acked {
+	for m := l.w.Pop(); m != nil; m = l.w.Pop() {
 		e := l.q[0]
 		l.q[0] = nil
 		l.q = l.q[1:]
+		if e.om.Duplicate {
+			l.noteStored()
+		}
 		n++
 		bytes += e.cost
 		if l.acked == l.checkpointed {
@@ -369,7 +376,7 @@ func (l *lane) popSettled() {
 			l.parkSettled(e)
 		}
 		switch {
-		case e.duplicate:
+		case e.om.Duplicate:
 			l.p.duplicates.Add(1)
 		case e.reason == wire.ReasonDropped:
 		case e.reason != "":
@@ -378,7 +385,6 @@ func (l *lane) popSettled() {
 		default:
 			l.p.mapped.Add(1)
 		}
-		l.backoff = 0
 		e.reset()
 		l.free = append(l.free, e)
 	}
@@ -412,32 +418,45 @@ func (l *lane) stopped(ctx context.Context) error {
 func (l *lane) stop(why error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), l.p.cfg.DrainTimeout)
 	defer cancel()
+	if why == nil {
+		l.w.Flush()
+	} else {
+		// Fenced: nothing new may be stored, but what was sent may have been, and the final
+		// checkpoint should cover it, or the next owner sends it again (a duplicate,
+		// TestRecreatedControlBucketUnderARunningReplica). An open batch is ended to learn its
+		// outcome; what was never sent is not stored.
+		l.w.EndBatches()
+		for !l.w.Settled() && ctx.Err() == nil && l.w.Fenced() == nil {
+			if err := l.w.Wait(ctx); err != nil {
+				break
+			}
+		}
+	}
 	for len(l.q) > 0 && ctx.Err() == nil {
 		l.popSettled()
 		if len(l.q) == 0 {
 			break
 		}
-		h := l.q[0]
-		if h.err != nil || l.failed {
-			if why != nil || !l.clock.holds() {
+		if l.w.Failed() || l.w.Fenced() != nil {
+			if why != nil || !l.clock.holds() || l.w.Fenced() != nil {
 				break // fenced: send nothing more; the next owner resumes after the prefix
 			}
-			l.failed = true
 			if err := l.recover(ctx); err != nil {
 				why = err
 				break
 			}
 			continue
 		}
-		if err := l.wait(ctx); err != nil {
+		if err := l.w.Wait(ctx); err != nil {
 			break
 		}
 	}
-	l.drainAcks(-1)
+	l.in.Drain(-1)
 	l.popSettled()
+	l.noteStored()
 	var bytes int64
 	for _, e := range l.q {
-		if e.acked {
+		if e.acked() {
 			// Stored, but behind a message that is not: the next owner resends it as a
 			// duplicate, but only this lane can tell whether it stored it out of order.
 			l.observe(e)
@@ -448,6 +467,7 @@ func (l *lane) stop(why error) error {
 	l.stopParking(ctx, why)
 	left := len(l.q)
 	l.q, l.held = nil, nil
+	l.w.Drop()
 	l.stats.inFlight.Store(0)
 	// Written even when the prefix did not move: a checkpoint key that vanished with a re-created
 	// control bucket is restored from this lane's position (see restore).
@@ -467,24 +487,18 @@ func (l *lane) prepare(d delivery) *entry {
 	e := l.newEntry()
 	l.build(e, d)
 	// Its size on the wire, reply subject included, is what it holds of the pool's window.
-	e.cost = int64(e.msg.Size() + len(l.inbox) + maxUint64Digits)
+	e.cost = int64(e.msg().Size() + replyRoom)
 	return e
 }
-
-// maxUint64Digits is the longest a sequence is in decimal.
-const maxUint64Digits = 20
 
 // build makes e what to publish for d: the mapped message, or a dead letter with its reason.
 // The strings it publishes live in e's own buffer, and the header map is e's own: a message
 // costs no allocation here (see [entry.since]).
 func (l *lane) build(e *entry, d delivery) {
-	e.seq, e.src, e.msg = d.seq, d.msg, &e.m
+	e.seq, e.src, e.om.Out = d.seq, d.msg, &e.m
 	lay := l.p.cfg.Layout
 	hdr := l.headers(e)
 	e.m.Header, e.m.Data = hdr, d.msg.Data()
-	from := len(e.text)
-	e.text = strconv.AppendUint(append(e.text, l.inbox...), e.seq, 10)
-	e.reply = e.since(from)
 	if err := lay.Parse(d.msg.Subject(), &l.fields); err != nil {
 		hdr[wire.HeaderSubject] = []string{d.msg.Subject()}
 		e.reason = wire.ReasonMalformedSubject
@@ -500,7 +514,7 @@ func (l *lane) build(e *entry, d delivery) {
 	}
 	if !m.Mapped() {
 		e.reason = m.Reason()
-		from = len(e.text)
+		from := len(e.text)
 		e.text = lay.AppendUnmapped(e.text, &l.fields)
 		e.m.Subject = e.since(from)
 		l.deadHeaders(hdr, e.reason, m.Detail())
@@ -509,7 +523,7 @@ func (l *lane) build(e *entry, d delivery) {
 		}
 		return
 	}
-	from = len(e.text)
+	from := len(e.text)
 	e.text = lay.AppendOut(e.text, &l.fields, m.Values)
 	e.m.Subject = e.since(from)
 	if n := lay.NumHeaders(); n > 0 {
@@ -587,7 +601,7 @@ func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
 // redirect turns e into a dead letter to UNMAPPED after OUTGOING refused it for good.
 func (l *lane) redirect(e *entry, reason, why string) {
 	lay := l.p.cfg.Layout
-	hdr := e.msg.Header
+	hdr := e.msg().Header
 	delete(hdr, wire.HeaderRevision)
 	subject := lay.MalformedSubject()
 	if err := lay.Parse(e.src.Subject(), &l.fields); err == nil {
@@ -595,11 +609,12 @@ func (l *lane) redirect(e *entry, reason, why string) {
 	}
 	hdr[wire.HeaderSubject] = []string{e.src.Subject()}
 	e.reason = reason
-	e.msg = &nats.Msg{Subject: subject, Header: l.deadHeaders(hdr, reason, why), Data: e.msg.Data}
+	e.om.Out = &nats.Msg{Subject: subject, Header: l.deadHeaders(hdr, reason, why), Data: e.msg().Data}
+	e.om.Stream = outUnmapped
 	if reason == wire.ReasonOversized {
 		// The payload itself is what did not fit; it stays in INCOMING under the sequence in
 		// Nats-Msg-Id, which the dead letter names.
-		e.msg.Data = nil
+		e.om.Out.Data = nil
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -173,6 +174,23 @@ func (p *Pool) Fences(partition int) []OutputFence {
 // WritesChecked reports whether every write of the pool's lanes to a fenced output stream
 // carries the check of its lane's fence (docs/design-fencing.md, "Every write"), so that a
 // stream refuses a deposed owner's writes: only then may owners be judged dead before their
-// leases expire. It is false while the lanes publish one message at a time, unchecked: the
-// ordered batch writer (issue 19) checks them.
-func (p *Pool) WritesChecked() bool { return false }
+// leases expire. That is so when every fenced stream is written in atomic batches (package
+// ordered puts the check on the first message of each, and on every message it sends alone);
+// single publishes and fast-ingest batches carry no exact fence on a replicated stream. It reads
+// the streams' configurations (ctx bounds it) unless the lanes read them lately.
+func (p *Pool) WritesChecked(ctx context.Context) bool {
+	if len(p.cfg.Fences) == 0 || p.cfg.Singles {
+		return false
+	}
+	outs := p.outputs(ctx)
+	modes := map[string]ordered.Mode{}
+	for _, o := range outs {
+		modes[o.Name] = o.Mode
+	}
+	for _, name := range p.cfg.Fences {
+		if modes[name] != ordered.ModeAtomic {
+			return false
+		}
+	}
+	return true
+}

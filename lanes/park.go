@@ -104,15 +104,14 @@ type parking struct {
 	queue   []*parkedDevice // waiting for a drain, in order; dev.queued says which
 	drains  map[uint64]*drain
 	nextID  uint64
-	inbox   string // "<inbox>.": a drain's reply subject is inbox + id + "." + PARKED sequence
 
 	// events carries to the lane what its parking goroutines learn: drain starts and messages,
 	// acknowledgements, purge results, unpark requests. Its senders give up when done is closed
 	// (by the lane, when it stops); nobody closes events.
 	events chan parkEvent
 	done   chan struct{}
-	wg     sync.WaitGroup // every goroutine of parking
-	stopWG func()         // cancels the goroutines' context
+	wg     sync.WaitGroup  // every goroutine of parking
+	gctx   context.Context // the goroutines' context: the lane's, cancelled when parking stops
 
 	parked jetstream.Stream // opened at claim; nil when the stream was missing
 
@@ -136,7 +135,6 @@ type parkEventKind uint8
 const (
 	evDrainStart parkEventKind = iota + 1 // a drain's reader read where the device stands
 	evDrainMsg                            // a drain's reader read a parked message
-	evAck                                 // an acknowledgement of a drain's publish
 	evPurged                              // a purge ended
 	evUnpark                              // an unpark.<p>.<device> key was put
 	evKeyDeleted                          // an unpark key was deleted (or that failed)
@@ -151,7 +149,6 @@ type parkEvent struct {
 	seq    uint64 // PARKED sequence of msg; the purge's last sequence
 	at     time.Time
 	l0     uint64 // the device's last PARKED sequence when the drain started
-	ack    *nats.Msg
 	device string
 	mode   drainMode
 	rev    uint64
@@ -255,25 +252,13 @@ func (l *lane) startParking(ctx context.Context) (func(), error) {
 		backoff = min(2*backoff, l.p.cfg.MaxRetryBackoff)
 	}
 	gctx, cancel := context.WithCancel(ctx)
-	s.stopWG = cancel
-	s.inbox = l.p.nc.NewInbox() + "."
-	sub, err := l.p.nc.Subscribe(s.inbox+"*.*", func(m *nats.Msg) {
-		select {
-		case s.events <- parkEvent{kind: evAck, ack: m}:
-		case <-s.done:
-		}
-	})
-	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("lanes: subscribing to the drains' acknowledgements: %w", err)
-	}
+	s.gctx = gctx
 	s.wg.Go(func() { l.watchUnpark(gctx) })
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			close(s.done)
 			cancel()
-			_ = sub.Unsubscribe()
 			for _, d := range s.drains {
 				d.stopReader()
 			}
@@ -376,9 +361,9 @@ func (l *lane) parkSettled(e *entry) {
 		return
 	}
 	dev.inFlight--
-	if e.reason == "" && e.acked {
-		dev.last = max(dev.last, e.out)
-		if !e.duplicate {
+	if e.reason == "" && e.om.Stored {
+		dev.last = max(dev.last, e.om.Seq)
+		if !e.om.Duplicate {
 			if dev.count == 0 && dev.oldest.IsZero() && !dev.inherited {
 				dev.oldest = time.Now()
 			}
@@ -426,9 +411,9 @@ func parkRefusal(err error) (reason, why string) {
 // refusal is [permanent] for e, which may be a park.
 func (l *lane) refusal(e *entry) (reason, why string) {
 	if e.parked && e.reason == "" {
-		return parkRefusal(e.err)
+		return parkRefusal(e.om.Err)
 	}
-	return permanent(e.err)
+	return permanent(e.om.Err)
 }
 
 // The server's JSStreamStoreFailedF code and its store's errors for a discard-new limit
@@ -466,8 +451,6 @@ func (l *lane) parkEvent(ctx context.Context, ev parkEvent) {
 		if d := s.drains[ev.drain]; d != nil && d.readerGen == ev.reader {
 			l.drainMsg(d, ev.msg, ev.seq, ev.at)
 		}
-	case evAck:
-		l.drainAck(ev.ack)
 	case evPurged:
 		l.purged(ev)
 	case evUnpark:
@@ -518,7 +501,7 @@ func (l *lane) parkTick(ctx context.Context, now time.Time) {
 		s.lastSweep = now
 		l.sweep(now)
 	}
-	l.startPurge(ctx)
+	l.startPurge()
 	l.parkStep(ctx)
 }
 

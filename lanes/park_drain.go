@@ -3,13 +3,13 @@ package lanes
 import (
 	"context"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
+	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -21,9 +21,12 @@ import (
 // and keep their own queue, which never moves the checkpoint: the messages were checkpointed
 // when PARKED stored them.
 //
-// After any failure a drain sends nothing new until every publish in flight has settled, then
-// starts again from its acknowledged prefix, the first message alone: what OUTGOING had stored
-// is dropped as a duplicate, so a drain keeps the device's order under the same rule as the lane.
+// Each drain publishes through a writer of its own (package ordered), answered on the lane's
+// inbox: after any failure it sends nothing new until every publish in flight has settled, then
+// resends, in order, everything not stored, so a drain keeps the device's order under the same
+// rule as the lane. Its first messages go one at a time until one is stored as new: a drain cut
+// short and resumed resends what was stored and not purged, and those are counted as the
+// duplicates they are.
 //
 // What a drain has seen acknowledged it purges from PARKED, every PurgeInterval and when it
 // ends; a drain cut short (its owner killed) and resumed by the next owner resends what was
@@ -70,21 +73,18 @@ type drain struct {
 	cancel    context.CancelFunc // stops the reader; nil when none runs
 	want      chan struct{}      // capacity 1: the lane takes one more message
 
-	started bool   // the reader read where the device stood: l0 is known
+	started bool   // the reader read where the device stands: l0 is known
 	l0      uint64 // the device's last PARKED sequence then
 
-	q        []*drainEntry // in flight, in PARKED order
-	held     *drainEntry   // built, waiting for room in the window
-	through  uint64        // every message of the device up to this PARKED sequence is done
-	purgedTo uint64        // through, when a purge was last queued
-	purgedAt time.Time     // when
-	progress time.Time     // when through last moved, or the drain (re)started
-
-	failed    bool      // some publish failed: send nothing more, restart once all settled
-	probe     bool      // after an unanswered failure the first message goes alone
-	restartAt time.Time // when to start reading again after a failure; zero when not waiting
-	backoff   time.Duration
-	refusals  map[uint64]refusal // PARKED sequence → how to send it after a refusal for good
+	w        *ordered.Writer // its publishes: OUTGOING and UNMAPPED
+	q        []*drainEntry   // in flight, in PARKED order: the entries of w's queue, one for one
+	held     *drainEntry     // built, waiting for room in the window
+	last     uint64          // the PARKED sequence of the last message handed to w
+	through  uint64          // every message of the device up to this PARKED sequence is done
+	purgedTo uint64          // through, when a purge was last queued
+	purgedAt time.Time       // when
+	progress time.Time       // when through last moved, or the drain (re)started
+	retryAt  time.Time       // after a failure: when to resend; zero when not waiting
 
 	stopping bool      // its reader stopped at a message it must not send: finish once settled
 	stopAt   time.Time // when that message was parked
@@ -100,26 +100,28 @@ type refusal struct {
 
 // drainEntry is one drained message on its way out.
 type drainEntry struct {
-	seq       uint64 // PARKED sequence
-	msg       nats.Msg
-	reason    string // non-empty for a dead letter
-	stripped  bool
-	skip      bool // given up (counted as dropped): not sent
-	gen       uint64
-	sent      time.Time
-	cost      int64
-	acked     bool
-	duplicate bool
-	err       error
+	om     ordered.Msg   // Key is the PARKED sequence; Out is msg
+	seq    uint64        // PARKED sequence
+	src    jetstream.Msg // the parked message, to rebuild a dead letter from
+	at     time.Time     // when it was parked
+	msg    nats.Msg
+	reason string // non-empty for a dead letter
+	ref    refusal
+	cost   int64
+	room   bool // it holds cost of the pool's window (not while its drain pauses after a failure)
 }
-
-func (e *drainEntry) settled() bool { return e.acked || e.err != nil }
 
 // startDrain starts draining dev in mode.
 func (l *lane) startDrain(ctx context.Context, dev *parkedDevice, mode drainMode) {
 	s := l.park
 	s.nextID++
-	d := &drain{id: s.nextID, dev: dev, mode: mode, refusals: map[uint64]refusal{}, purgedAt: time.Now()}
+	// A drain cut short (its owner killed) resends what was stored and not purged: counted as
+	// the duplicates they are, one at a time until the first new store (newWriter). On a
+	// stream written singly, too, the first goes alone: a release whose publishes hang holds
+	// one message of the window, not all the room the device's new parks need
+	// (TestParkThenReleaseInOrder).
+	d := &drain{id: s.nextID, dev: dev, mode: mode, purgedAt: time.Now(), w: l.newWriter(ctx, outParked)}
+	d.w.ProbeAll()
 	dev.drain = d
 	s.drains[d.id] = d
 	l.log.Debug().Str("device", dev.name).Uint8("mode", uint8(mode)).Msg("draining a parked device")
@@ -158,16 +160,16 @@ func (d *drain) giveToken() {
 
 // drainMsg takes one message from d's reader.
 func (l *lane) drainMsg(d *drain, m jetstream.Msg, seq uint64, at time.Time) {
-	if seq <= d.through {
+	if seq <= d.last || seq <= d.through {
 		d.giveToken()
 		return
 	}
-	if d.failed || d.stopping || !d.restartAt.IsZero() {
-		d.stopReader() // the restart reads it again
+	if d.stopping {
+		d.stopReader()
 		return
 	}
-	e := l.buildDrained(d, m, seq, at)
-	if e == nil {
+	e := &drainEntry{seq: seq, src: m, at: at}
+	if !l.fillDrained(d, e, false) {
 		d.stopping, d.stopAt = true, at
 		d.stopReader()
 		l.drainCheck(d)
@@ -177,29 +179,28 @@ func (l *lane) drainMsg(d *drain, m jetstream.Msg, seq uint64, at time.Time) {
 	l.drainAdmit(d)
 }
 
-// buildDrained makes what to publish for parked message m, or returns nil when d stops before
-// it: a release whose device has no group, or an expiry that reached a message young enough.
-func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time) *drainEntry {
-	e := &drainEntry{seq: seq}
-	hdr := m.Headers()
-	if hdr == nil {
-		hdr = nats.Header{}
+// fillDrained makes e what to publish for its parked message, at its refusal level. It returns
+// false when d stops before it (unless rebuild: a refused message made over): a release whose
+// device has no group, or an expiry that reached a message young enough.
+func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
+	hdr := nats.Header{}
+	for k, v := range e.src.Headers() {
+		hdr[k] = v
 	}
-	ref := d.refusals[seq]
-	if ref.level >= 3 {
-		e.skip, e.acked = true, true
-		return e
-	}
+	ref := e.ref
 	var mp subjects.Mapping
 	var reason, why string
 	switch d.mode {
 	case drainRelease:
 		if mp = l.p.lookup(d.dev.name); !mp.Mapped() {
-			return nil
+			if !rebuild {
+				return false
+			}
+			reason, why = mp.Reason(), mp.Detail()
 		}
 	case drainExpire:
-		if l.park.cfg.MaxAge <= 0 || time.Since(at) <= l.park.cfg.MaxAge {
-			return nil
+		if (l.park.cfg.MaxAge <= 0 || time.Since(e.at) <= l.park.cfg.MaxAge) && !rebuild {
+			return false
 		}
 		reason = wire.ReasonParkExpired
 	case drainForce:
@@ -223,7 +224,7 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))
 	}
 	e.reason = reason
-	data := m.Data()
+	data := e.src.Data()
 	if reason == "" {
 		delete(hdr, wire.HeaderSubject)
 		for i := range lay.NumHeaders() {
@@ -252,139 +253,112 @@ func (l *lane) buildDrained(d *drain, m jetstream.Msg, seq uint64, at time.Time)
 			wire.HeaderSubject: []string{stored},
 			wire.HeaderError:   hdr[wire.HeaderError],
 		}
-		data, e.stripped = nil, true
+		data = nil
 	}
 	e.msg = nats.Msg{Subject: subject, Header: hdr, Data: data}
-	e.cost = int64(e.msg.Size() + len(l.park.inbox) + 2*maxUint64Digits + 1)
-	return e
+	e.om.Key, e.om.Out, e.om.Stream = e.seq, &e.msg, outOutgoing
+	if reason != "" {
+		e.om.Stream = outUnmapped
+	}
+	if !rebuild {
+		e.cost = int64(e.msg.Size() + replyRoom)
+	}
+	return true
 }
 
-// drainAdmit publishes d's held message if the window has room, the lease holds and, after a
-// failure, nothing else is in flight.
+// drainAdmit hands d's held message to its writer if the window has room, the lease holds and
+// the writer would send it now: while it sends one message at a time (the first of a drain, the
+// first after a failure), what waits behind would only hold room of the lane's window, which the
+// device's new parks need (TestParkThenReleaseInOrder).
 func (l *lane) drainAdmit(d *drain) {
 	e := d.held
-	if e == nil {
-		return
-	}
-	if e.skip {
-		d.held = nil
-		d.q = append(d.q, e)
-		l.drainPop(d)
-		d.giveToken()
-		l.drainCheck(d)
-		return
-	}
-	if !l.valid() || (d.probe && len(d.q) > 0) || d.failed {
-		return
-	}
-	if !l.p.window.take(&l.grant, e.cost) {
-		return
-	}
-	gen := l.p.generation()
-	if len(d.q) > 0 && d.q[0].gen != gen {
-		// Sent on a connection since replaced: sending now could overtake what it lost.
-		l.p.window.give(&l.grant, 1, e.cost)
-		l.drainFail(d, nats.ErrDisconnected)
+	if e == nil || !l.valid() || d.w.Waiting() || !l.p.window.take(&l.grant, e.cost) {
 		return
 	}
 	d.held = nil
-	e.gen, e.sent = gen, time.Now()
-	e.msg.Reply = l.park.inbox + strconv.FormatUint(d.id, 10) + "." + strconv.FormatUint(e.seq, 10)
+	d.last = e.seq
+	e.room = true
 	d.q = append(d.q, e)
-	if err := l.p.nc.PublishMsg(&e.msg); err != nil {
-		e.err = err
-		d.failed = true
-		return
-	}
-	if l.p.generation() != gen {
-		e.err = nats.ErrDisconnected
-		d.failed = true
-		return
-	}
-	if !d.probe {
+	d.w.Send(&e.om)
+	d.w.Flush() // a drain hands one message at a time: what waits goes as the next batch
+	if !d.w.Failed() {
 		d.giveToken()
 	}
 }
 
-// drainFail fails every unsettled publish of d.
-func (l *lane) drainFail(d *drain, err error) {
-	for _, e := range d.q {
-		if !e.settled() {
-			e.err = err
-		}
-	}
-	d.failed = true
-}
-
-// drainAck applies an acknowledgement of a drain's publish.
-func (l *lane) drainAck(m *nats.Msg) {
-	s := l.park
-	rest := strings.TrimPrefix(m.Subject, s.inbox)
-	ids, seqs, ok := strings.Cut(rest, ".")
-	id, err1 := strconv.ParseUint(ids, 10, 64)
-	seq, err2 := strconv.ParseUint(seqs, 10, 64)
-	if !ok || err1 != nil || err2 != nil {
-		return
-	}
-	d := s.drains[id]
-	if d == nil {
-		return
-	}
-	var e *drainEntry
-	i := 0
-	for ; i < len(d.q); i++ {
-		if d.q[i].seq == seq {
-			e = d.q[i]
-			break
-		}
-	}
-	if e == nil || e.settled() {
-		return
-	}
-	e.duplicate, _, e.err = parseAck(m)
-	if e.err != nil {
-		d.failed = true
-	} else {
-		e.acked = true
-		if !e.duplicate {
-			// The stream stores one connection's publishes in order: an earlier one still
-			// unanswered was lost.
-			for _, x := range d.q[:i] {
-				if !x.settled() && x.gen == e.gen {
-					x.err = errOvertaken
-					d.failed = true
-				}
+// drainHooks are a drain's say in its writer's rounds of resends.
+func (l *lane) drainHooks(d *drain) ordered.Hooks {
+	return ordered.Hooks{
+		Allow: func(*ordered.Msg) bool { return l.valid() },
+		Redirect: func(m *ordered.Msg) bool {
+			e := d.entryOf(m)
+			if e == nil {
+				return true
 			}
-		}
-		if d.probe && !d.failed {
-			d.probe = false
-			d.giveToken()
-		}
+			reason, why := permanent(m.Err)
+			if reason == "" {
+				return true
+			}
+			switch {
+			case e.reason == "":
+				e.ref = refusal{level: 1, reason: reason, why: why}
+			case e.ref.level < 2:
+				e.ref = refusal{level: 2, reason: e.reason, why: why}
+			default:
+				e.ref.level = 3
+				l.p.dropped.Add(1)
+				l.log.Error().Str("device", d.dev.name).Uint64("parked_seq", e.seq).Str("error", why).
+					Msg("UNMAPPED refused even a stripped dead letter from the park; giving up on it (it stays in INCOMING): check UNMAPPED's limits")
+				return false
+			}
+			l.fillDrained(d, e, true)
+			return true
+		},
 	}
-	l.drainPop(d)
-	l.drainCheck(d)
 }
 
-// drainPop removes d's acknowledged prefix, moves through and gives the room back.
+// entryOf returns d's entry of a message of its writer, or nil.
+func (d *drain) entryOf(m *ordered.Msg) *drainEntry {
+	for _, e := range d.q {
+		if &e.om == m {
+			return e
+		}
+	}
+	return nil
+}
+
+// parkAnswered moves every drain on after answers were handled: what they stored leaves their
+// queue, and a drain that is done finishes.
+func (l *lane) parkAnswered() {
+	if l.park == nil {
+		return
+	}
+	for _, d := range l.park.drains {
+		l.drainPop(d)
+		l.drainAdmit(d)
+		l.drainCheck(d)
+	}
+}
+
+// drainPop removes d's stored prefix, moves through and gives the room back.
 func (l *lane) drainPop(d *drain) {
 	var n, bytes int64
-	for len(d.q) > 0 && d.q[0].acked {
+	for m := d.w.Pop(); m != nil; m = d.w.Pop() {
 		e := d.q[0]
 		d.q[0] = nil
 		d.q = d.q[1:]
 		d.through, d.progress = e.seq, time.Now()
-		d.backoff = 0
 		if d.dev.count > 0 {
 			d.dev.count--
 			l.park.nMsgs.Add(-1)
 		}
-		if e.skip {
-			continue
+		if e.room {
+			n++
+			bytes += e.cost
 		}
-		n++
-		bytes += e.cost
 		switch {
-		case e.duplicate:
+		case m.Dropped:
+		case m.Duplicate:
 			l.p.duplicates.Add(1)
 		case e.reason != "":
 			l.p.countUnmapped(e.reason)
@@ -400,53 +374,56 @@ func (l *lane) drainPop(d *drain) {
 func (l *lane) drainRelease(d *drain) {
 	var n, bytes int64
 	for _, e := range d.q {
-		if !e.skip {
+		if e.room {
 			n++
 			bytes += e.cost
 		}
 	}
 	l.p.window.give(&l.grant, n, bytes)
 	d.q, d.held = nil, nil
+	d.w.Drop()
 }
 
 // drainsUnsettled tells whether some drain has a publish in flight.
 func (l *lane) drainsUnsettled() bool {
 	for _, d := range l.park.drains {
-		for _, e := range d.q {
-			if !e.settled() {
-				return true
-			}
+		if !d.w.Settled() {
+			return true
 		}
 	}
 	return false
 }
 
-// drainTick fails d's publishes that cannot be answered any more, restarts d once a failure
-// has settled, and queues a purge of what it republished since the last one, so that a drain
-// cut short resends little.
+// drainTick fails d's publishes that cannot be answered any more, resends after a failure once
+// everything settled and a pause passed, and queues a purge of what it republished since the
+// last one, so that a drain cut short resends little.
 func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
-	gen := l.p.generation()
-	for _, e := range d.q {
+	// Answers are handled wherever the lane reads its inbox (its writer waits on it too): take
+	// in what they stored.
+	l.drainPop(d)
+	d.w.Expire(now)
+	d.w.Flush()
+	if d.w.Failed() && d.w.Settled() {
 		switch {
-		case e.settled():
-		case e.gen != gen:
-			e.err = nats.ErrDisconnected
-			d.failed = true
-		case now.Sub(e.sent) > l.p.cfg.PublishTimeout:
-			e.err = errAckTimeout
-			d.failed = true
+		case d.retryAt.IsZero():
+			first := d.w.FirstErr()
+			d.retryAt = now.Add(d.w.Backoff(first))
+			l.p.warn("park-publish", func(ev *zerolog.Event) {
+				ev.Int("partition", l.a.Partition).Str("device", d.dev.name).Err(first).
+					Msg("a drained message's publish failed; resending in order")
+			})
+			l.drainPause(d)
+		case !now.Before(d.retryAt) && l.drainResume(d):
+			d.retryAt = time.Time{}
+			_ = d.w.Resend(l.drainHooks(d)) // a stop is the lane's to see (valid)
+			// Read on from what the pause kept: the reader hands one message now, and drainAdmit
+			// holds it until the writer would send it.
+			l.startReader(ctx, d, d.last+1)
+			l.drainPop(d)
+			l.drainCheck(d)
 		}
 	}
-	if d.failed && !l.drainUnsettled(d) {
-		l.drainRestart(d, now)
-	}
-	switch {
-	case !d.restartAt.IsZero():
-		if !now.Before(d.restartAt) {
-			d.restartAt = time.Time{}
-			l.startReader(ctx, d, d.through+1)
-		}
-	case d.started && !d.stopping && d.through < d.l0 && len(d.q) == 0 && d.held == nil && now.Sub(d.progress) > drainIdle:
+	if d.started && !d.stopping && d.through < d.l0 && d.w.Len() == 0 && d.held == nil && now.Sub(d.progress) > drainIdle {
 		// Waiting for a message that may be gone: read where the device stands again.
 		d.started = false
 		l.startReader(ctx, d, d.through+1)
@@ -457,72 +434,75 @@ func (l *lane) drainTick(ctx context.Context, d *drain, now time.Time) {
 	}
 }
 
-func (l *lane) drainUnsettled(d *drain) bool {
-	for _, e := range d.q {
-		if !e.settled() {
-			return true
+// drainPause makes d hold no room of the window while it waits to resend after a failure (as
+// the lane's own publishes keep theirs): a drain whose stream does not answer must not starve the
+// lane's parks of the device, which queue behind it (TestParkThenReleaseInOrder, whose lane's
+// share of the window is one message). It keeps what its writer has up to the last message
+// stored (those behind it need no resending) and at least the first not stored, and reads the
+// rest from PARKED again once it resends.
+func (l *lane) drainPause(d *drain) {
+	keep := 1
+	for i, e := range d.q {
+		if e.om.Stored {
+			keep = i + 1
 		}
 	}
-	return false
+	keep = min(keep, len(d.q))
+	var n, bytes int64
+	for _, e := range d.q {
+		if e.room {
+			e.room = false
+			n++
+			bytes += e.cost
+		}
+	}
+	l.p.window.give(&l.grant, n, bytes)
+	if keep < len(d.q) {
+		clear(d.q[keep:])
+		d.q = d.q[:keep]
+		d.w.Keep(keep)
+	}
+	if len(d.q) > 0 {
+		d.last = d.q[len(d.q)-1].seq
+	}
+	d.held = nil
+	d.stopReader()
+	d.stopping, d.stopAt = false, time.Time{} // the reader finds where to stop again
 }
 
-// drainRestart ends the round of d that failed: what was acknowledged is done, a message
-// refused for good is sent another way next time, and reading starts again after a backoff from
-// the first message not acknowledged, alone if the failure went unanswered.
-func (l *lane) drainRestart(d *drain, now time.Time) {
-	l.drainPop(d)
-	var first *drainEntry
+// drainResume takes room again for what d kept through its pause and has to resend; false when
+// the window has none for it yet (the next tick tries again).
+func (l *lane) drainResume(d *drain) bool {
+	var n, bytes int64
+	ok := true
 	for _, e := range d.q {
-		if e.err != nil {
-			first = e
+		if e.room || e.om.Stored {
+			continue
+		}
+		if !l.p.window.take(&l.grant, e.cost) {
+			ok = false
 			break
 		}
+		e.room = true
+		n++
+		bytes += e.cost
 	}
-	probe := false
-	if first != nil {
-		probe = unanswered(first.err)
-		reason, why := permanent(first.err)
-		if reason != "" {
-			ref := d.refusals[first.seq]
-			switch {
-			case first.reason == "":
-				ref = refusal{level: 1, reason: reason, why: why}
-			case !first.stripped:
-				ref = refusal{level: 2, reason: first.reason, why: why}
-			default:
-				ref.level = 3
-				l.p.dropped.Add(1)
-				l.log.Error().Str("device", d.dev.name).Uint64("parked_seq", first.seq).Str("error", why).
-					Msg("UNMAPPED refused even a stripped dead letter from the park; giving up on it (it stays in INCOMING): check UNMAPPED's limits")
+	if !ok {
+		for _, e := range d.q {
+			if e.room {
+				e.room = false
 			}
-			d.refusals[first.seq] = ref
 		}
-		l.p.warn("park-publish", func(ev *zerolog.Event) {
-			ev.Int("partition", l.a.Partition).Str("device", d.dev.name).Err(first.err).
-				Msg("a drained message's publish failed; resending in order")
-		})
+		l.p.window.give(&l.grant, n, bytes)
 	}
-	l.p.failures.Add(1)
-	l.drainRelease(d)
-	d.stopReader()
-	d.failed, d.stopping, d.stopAt = false, false, time.Time{}
-	if d.backoff == 0 {
-		d.backoff = l.p.cfg.RetryBackoff
-	} else {
-		d.backoff = min(2*d.backoff, l.p.cfg.MaxRetryBackoff)
-	}
-	if probe {
-		d.backoff = min(d.backoff, maxProbeBackoff)
-	}
-	d.probe = probe
-	d.restartAt = now.Add(d.backoff)
+	return ok
 }
 
 // drainCheck finishes d when it is done: everything PARKED held of the device has been
-// republished and acknowledged, and nothing of it is in flight to PARKED; or it stopped and
-// nothing of it is in flight any more.
+// republished and stored, and nothing of it is in flight to PARKED; or it stopped and nothing
+// of it is in flight any more.
 func (l *lane) drainCheck(d *drain) {
-	if len(d.q) > 0 || d.held != nil || d.failed || !d.restartAt.IsZero() {
+	if d.w.Len() > 0 || d.held != nil || d.w.Failed() {
 		return
 	}
 	dev := d.dev
@@ -539,6 +519,7 @@ func (l *lane) drainCheck(d *drain) {
 func (l *lane) finishDrain(d *drain, done bool) {
 	s := l.park
 	d.stopReader()
+	d.w.Close()
 	delete(s.drains, d.id)
 	dev := d.dev
 	dev.drain = nil

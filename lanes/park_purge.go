@@ -25,8 +25,10 @@ func (l *lane) queuePurge(device string, seq uint64) {
 }
 
 // startPurge starts the next queued purge on a goroutine, if none is in flight: at most one per
-// lane. A purge removes only messages a drain had republished and seen acknowledged.
-func (l *lane) startPurge(ctx context.Context) {
+// lane. A purge removes only messages a drain had republished and seen acknowledged. It runs
+// under parking's context, which the lane's stop cancels: a fenced lane does not wait for a
+// purge that goes unanswered (up to its 5 s timeout) before Run returns.
+func (l *lane) startPurge() {
 	s := l.park
 	if s.purging || len(s.purgeList) == 0 || !l.valid() {
 		return
@@ -36,6 +38,7 @@ func (l *lane) startPurge(ctx context.Context) {
 	s.purgeList = s.purgeList[1:]
 	delete(s.purges, device)
 	s.purging = true
+	ctx := s.gctx
 	s.wg.Go(func() {
 		err := l.purge(ctx, device, seq)
 		s.send(context.WithoutCancel(ctx), parkEvent{kind: evPurged, device: device, seq: seq, err: err})
@@ -86,13 +89,16 @@ func (l *lane) stopParking(ctx context.Context, why error) {
 		d.held = nil
 	}
 	if why == nil && l.valid() {
-		for l.drainsUnsettled() && ctx.Err() == nil {
+		for _, d := range s.drains {
+			d.w.Flush()
+		}
+		// A purge in flight is waited for too: the deferred end of parking cancels it.
+		for (l.drainsUnsettled() || s.purging) && ctx.Err() == nil {
 			select {
+			case m := <-l.in.C():
+				l.in.Handle(m)
 			case ev := <-s.events:
-				switch ev.kind {
-				case evAck:
-					l.drainAck(ev.ack)
-				case evPurged:
+				if ev.kind == evPurged {
 					s.purging = false
 				}
 			case <-ctx.Done():

@@ -467,3 +467,43 @@ func TestUnparkByKey(t *testing.T) {
 	f.publishFrom([]string{"rel"}, 5, 1, nil) // still without a group: parked again
 	f.waitParked("rel", 1)
 }
+
+// A lane fenced while its purge of PARKED goes unanswered returns from Run at once: the purge
+// runs under parking's context, which the lane's stop cancels, rather than the lane's, which a
+// fence does not end (it waited for the purge's 5 s timeout).
+func TestFencedLaneDoesNotWaitForItsPurge(t *testing.T) {
+	f := newFixture(t)
+	dev := "late"
+	cfg := f.parkOn(lanes.Config{}, 0, 0)
+	pool, drop := f.droppingPool(cfg)
+	var lost atomic.Bool
+	_, res := runLane(t, pool, lanes.Assignment{Partition: subjects.Partition(dev, f.lay.Partitions), Epoch: 1,
+		Valid: func() bool { return !lost.Load() }})
+	f.publish([]string{dev}, 10, nil)
+	f.waitParked(dev, 10)
+	drop.Drop("$JS.API.STREAM.PURGE.PARKED") // the purge after the release goes unanswered
+	f.groups.set(dev, "g")
+	pool.Release(dev)
+	f.read("OUTGOING", 10)
+	natstest.Eventually(t, 20*time.Second, func() error {
+		if drop.Dropped() == 0 {
+			return fmt.Errorf("the lane has sent no purge of PARKED yet")
+		}
+		return nil
+	})
+	fenced := time.Now()
+	lost.Store(true)
+	select {
+	case err := <-res:
+		took := time.Since(fenced)
+		t.Logf("Run returned %v after the fence: %v", took.Round(time.Millisecond), err)
+		if took > 2500*time.Millisecond {
+			t.Errorf("Run returned %v after the fence, with its purge in flight: want well under the purge's 5 s timeout", took.Round(time.Millisecond))
+		}
+		if !errors.Is(err, lanes.ErrFenced) {
+			t.Errorf("Run = %v, want ErrFenced", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run has not returned 30 s after the fence")
+	}
+}

@@ -1,6 +1,7 @@
 package lanes
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -47,6 +48,20 @@ type Config struct {
 	// reads INCOMING filtered on its partition; with subjects.PartitionStreams it reads its
 	// partition's stream, INCOMING-<p>, unfiltered.
 	StreamLayout subjects.StreamLayout
+	// Outgoing and Unmapped name the output streams (defaults "OUTGOING", "UNMAPPED"): the
+	// lanes read their configurations to choose how to write them (see Singles), and follow
+	// their leader changes (leaders.go): a publish a stepping-down leader dropped is resent at
+	// once, not after StallTimeout.
+	Outgoing, Unmapped string
+	// Singles writes every output stream with single publishes, as kvmapper did before it wrote
+	// in batches. By default a replicated stream that allows atomic batches is written in atomic
+	// batches, one that allows fast-ingest batches (allow_batched) in those, and any other with
+	// single publishes: only batches keep a device's order through a leader change of the stream.
+	Singles bool
+	// MaxOpenBatches bounds the atomic batches a pool's lanes hold open on one stream at once
+	// (the server refuses more than 50 per stream by default, from every writer together).
+	// Default 16.
+	MaxOpenBatches int
 	// MaxInFlight bounds the unacknowledged publishes of all lanes of the pool together (I5).
 	// Each partition is guaranteed a quarter of an even split of it, which no other lane can
 	// take; the rest goes to the lanes that have work (see [Pool]). Default 4096, far below the
@@ -96,10 +111,6 @@ type Config struct {
 	// deleted and created again even when nothing is delivered from it (one request per pool
 	// per interval). Default 2s.
 	IncarnationCheck time.Duration
-	// Outgoing and Unmapped name the output streams, whose leader changes the lanes follow (see
-	// leaders.go); empty: they are not followed, and a publish a stepping-down leader dropped is
-	// resent after StallTimeout.
-	Outgoing, Unmapped string
 	// Fences are the output streams in which a lane writes its partition's fence record
 	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
 	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
@@ -125,6 +136,9 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	c.StreamLayout = sl
+	c.Outgoing = cmp.Or(c.Outgoing, subjects.DefaultNames.Outgoing)
+	c.Unmapped = cmp.Or(c.Unmapped, subjects.DefaultNames.Unmapped)
+	c.MaxOpenBatches = cmp.Or(c.MaxOpenBatches, 16)
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = 4096
 	}
@@ -217,7 +231,8 @@ type Pool struct {
 	log    zerolog.Logger
 
 	window    *window // the publishes in flight, shared by all lanes (I5)
-	pullBytes int     // PullMaxBytes, raised to what the largest message needs
+	modes     writeModes
+	pullBytes int // PullMaxBytes, raised to what the largest message needs
 
 	mapped, duplicates, retries, failures atomic.Uint64
 	dropped, reorders                     atomic.Uint64
@@ -365,10 +380,6 @@ func (p *Pool) Stats() Stats {
 	p.unmappedMu.Unlock()
 	return s
 }
-
-// generation counts the connection's reconnects. A publish made in one generation and still
-// unacknowledged in a later one has failed, or is failing: its future reports ErrDisconnected.
-func (p *Pool) generation() uint64 { return p.nc.Stats().Reconnects }
 
 func (p *Pool) countUnmapped(reason string) {
 	p.unmappedMu.Lock()

@@ -59,10 +59,21 @@ func streamOf(e *entry) int {
 	return 0
 }
 
-// noteNew records that the stream acknowledged e as stored now, at e.out.
+// noteNew records that the stream acknowledged e as stored as new, at its sequence.
 func (r *reorders) noteNew(e *entry) {
-	if f := &r.first[streamOf(e)]; *f == 0 || e.out < *f {
-		*f = e.out
+	if f := &r.first[streamOf(e)]; *f == 0 || e.om.Seq < *f {
+		*f = e.om.Seq
+	}
+}
+
+// noteStored notes every message in flight that its stream stored as new, before a duplicate is
+// looked at: the answers came in any order, and a duplicate at or past the first new store is
+// one of this lane's own (see reorders.first).
+func (l *lane) noteStored() {
+	for _, e := range l.q {
+		if e.om.Stored && !e.om.Duplicate && e.om.Seq != 0 {
+			l.ro.noteNew(e)
+		}
 	}
 }
 
@@ -70,7 +81,7 @@ func (r *reorders) noteNew(e *entry) {
 // lane stored after e, although it comes before e, is a reorder, and is counted.
 func (l *lane) observe(e *entry) {
 	r := &l.ro
-	if !r.started && !e.duplicate && e.out != 0 {
+	if !r.started && !e.om.Duplicate && e.om.Seq != 0 {
 		r.started = true
 	}
 	looking := r.takeover > 0 || e.seq <= r.until
@@ -81,24 +92,24 @@ func (l *lane) observe(e *entry) {
 		r.stored = nil
 		return
 	}
-	if e.device == "" || e.out == 0 {
+	if e.device == "" || e.om.Seq == 0 {
 		return // no device to keep in order (a malformed subject), or given up on (dropped)
 	}
 	k := reorderKey{device: e.device, stream: streamOf(e)}
 	s := r.stored[k]
 	i := len(s)
-	for i > 0 && s[i-1] > e.out {
+	for i > 0 && s[i-1] > e.om.Seq {
 		i--
 	}
 	n := len(s) - i
 	if n > 0 {
 		l.p.reorders.Add(uint64(n))
-		l.log.Error().Str("device", e.device).Uint64("seq", e.seq).Uint64("stored_at", e.out).Int("stored_after", n).
+		l.log.Error().Str("device", e.device).Uint64("seq", e.seq).Uint64("stored_at", e.om.Seq).Int("stored_after", n).
 			Msg("messages of a device were stored after a later one of it: their order in the output stream is reversed (the server refused or lost single messages: its limits, or an output stream whose leader changed; kvmapper verify names them)")
 		s = s[:i]
 	}
-	if f := r.first[streamOf(e)]; !e.duplicate || (f != 0 && e.out >= f) {
-		s = append(s, e.out)
+	if f := r.first[streamOf(e)]; !e.om.Duplicate || (f != 0 && e.om.Seq >= f) {
+		s = append(s, e.om.Seq)
 	} else if n == 0 {
 		return // nothing changed
 	}

@@ -65,6 +65,10 @@ func runLane(t *testing.T, pool *lanes.Pool, a lanes.Assignment) (stop func(), r
 	return stop, ch
 }
 
+// The tests of reorder counting run the single-publish path (Config.Singles), which streams
+// without batches still take: batches store nothing after a refused message (see
+// TestRefusedMessageHoldsBackItsDevice), so a reorder cannot be made through them.
+
 // A message refused while a later one of its device is stored, and resent by the next owner
 // after the first was fenced, lands behind the later one. The next owner, which stored it,
 // counts it: once, and the first owner not at all.
@@ -74,7 +78,7 @@ func TestReorderAcrossHandoverIsCountedOnce(t *testing.T) {
 	p := subjects.Partition(dev, 16)
 	f.groups.set(dev, "g")
 	release := f.refuseSubject("outgoing.g." + dev + ".a")
-	cfg := lanes.Config{Layout: f.lay, CheckpointInterval: 20 * time.Millisecond, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}
+	cfg := lanes.Config{Layout: f.lay, CheckpointInterval: 20 * time.Millisecond, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond, Singles: true}
 	first, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -115,7 +119,7 @@ func TestReorderWithinALaneIsCountedOnce(t *testing.T) {
 	dev := "dev-r"
 	f.groups.set(dev, "g")
 	release := f.refuseSubject("outgoing.g." + dev + ".a")
-	pool, _ := f.run(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}, nil)
+	pool, _ := f.run(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond, Singles: true}, nil)
 	ctx := context.Background()
 	for i, ev := range []string{"a", "b"} {
 		if _, err := f.js.Publish(ctx, "incoming."+dev+"."+ev, []byte(fmt.Sprintf("%s:%d", dev, i))); err != nil {
@@ -190,7 +194,7 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	pool, _ := f.run(lanes.Config{PublishTimeout: 300 * time.Millisecond, RetryBackoff: 10 * time.Millisecond}, nil)
+	pool, _ := f.run(lanes.Config{PublishTimeout: 300 * time.Millisecond, RetryBackoff: 10 * time.Millisecond, Singles: true}, nil)
 	for i, ev := range []string{"a", "b"} {
 		if _, err := f.js.Publish(ctx, "incoming."+dev+"."+ev, []byte(fmt.Sprintf("%s:%d", dev, i))); err != nil {
 			t.Fatal(err)
@@ -237,7 +241,7 @@ func TestReorderStoredByAFencedLaneIsCounted(t *testing.T) {
 	f.groups.set(dev, "g")
 	releaseC := f.refuseSubject("outgoing.g." + dev + ".c")
 	releaseA := f.refuseSubject("outgoing.g." + dev + ".a")
-	cfg := lanes.Config{Layout: f.lay, CheckpointInterval: 20 * time.Millisecond, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}
+	cfg := lanes.Config{Layout: f.lay, CheckpointInterval: 20 * time.Millisecond, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond, Singles: true}
 	first, err := lanes.New(f.js, f.ctl, f.groups.lookup, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -300,4 +304,43 @@ func handOver(t *testing.T, f *fixture, cfg lanes.Config, p int, lost *atomic.Bo
 		return nil
 	})
 	return next
+}
+
+// With batches (the default on a stream that allows them), a message its stream refuses holds
+// back every later message of its partition until it is stored: the same refusal that reorders
+// single publishes (TestReorderWithinALaneIsCountedOnce) reorders nothing.
+func TestRefusedMessageHoldsBackItsDevice(t *testing.T) {
+	f := newFixture(t)
+	dev := "dev-r"
+	f.groups.set(dev, "g")
+	release := f.refuseSubject("outgoing.g." + dev + ".a")
+	pool, _ := f.run(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}, nil)
+	ctx := context.Background()
+	for i, ev := range []string{"a", "b"} {
+		if _, err := f.js.Publish(ctx, "incoming."+dev+"."+ev, []byte(fmt.Sprintf("%s:%d", dev, i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if n := pool.Stats().Failures; n < 3 {
+			return fmt.Errorf("Stats().Failures = %d, want 3 rounds of refusals", n)
+		}
+		return nil
+	})
+	if got := payloads(f.read("OUTGOING", 1)); strings.Join(got, " ") != "placeholder" {
+		t.Fatalf("OUTGOING holds %q while dev-r:0 is refused, want only the placeholder: dev-r:1 must wait", got)
+	}
+	release()
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if st := pool.Stats(); st.Mapped != 2 {
+			return fmt.Errorf("Stats() = %+v, want both messages mapped", st)
+		}
+		return nil
+	})
+	if got := payloads(f.read("OUTGOING", 2)); strings.Join(got, " ") != "dev-r:0 dev-r:1" {
+		t.Fatalf("OUTGOING holds %q, want dev-r:0 then dev-r:1", got)
+	}
+	if got := pool.WriteModes()["OUTGOING"]; got != "batch" {
+		t.Errorf("WriteModes()[OUTGOING] = %q, want batch", got)
+	}
 }

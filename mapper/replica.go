@@ -65,6 +65,11 @@ type Config struct {
 	MetricsListen string
 	// EventsSubject is where this replica publishes its ownership changes; "" means nowhere.
 	EventsSubject string
+	// Control, when set, is a JetStream context on a connection of the replica's own for the
+	// control plane: leases, member heartbeats, checkpoints, the groups table. The lanes' reads
+	// and writes stay on the connection [New] is given. `kvmapper run` dials one; nil shares the
+	// lanes' connection.
+	Control jetstream.JetStream
 	// Host names the machine in status reports; default os.Hostname.
 	Host string
 }
@@ -133,9 +138,9 @@ const DefaultJudgedExpiry = 2 * time.Second
 // (setup recorded the fences, and the lanes check them on every write) — else 0 (off). A judged
 // expiry asked for where the writes are not fenced is refused: it would let a deposed owner
 // write beside its successor.
-func judgedExpiry(controlReplicas int, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
+func judgedExpiry(ctx context.Context, controlReplicas int, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
 	lp, ok := pool.(*lanes.Pool)
-	checked := ok && lp.WritesChecked()
+	checked := ok && lp.WritesChecked(ctx)
 	if ecfg.JudgedExpiry != 0 {
 		if !checked {
 			return 0, fmt.Errorf("%w: a judged expiry needs output streams that refuse a deposed owner: stream mode, fences recorded by setup on a cluster, and a writer that checks them", ErrInvalidConfig)
@@ -178,11 +183,19 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if err != nil {
 		return nil, err
 	}
-	groups, err := js.KeyValue(ctx, cfg.Setup.Groups)
+	// The control plane (leases, member heartbeats, checkpoints, the groups table) goes on a
+	// connection of its own when given one: on the lanes' connection it queues behind their
+	// deliveries and batches, in both directions, and a renewal late by the lease's margin
+	// loses the lease.
+	cjs := js
+	if cfg.Control != nil {
+		cjs = cfg.Control
+	}
+	groups, err := cjs.KeyValue(ctx, cfg.Setup.Groups)
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Groups, err)
 	}
-	control, err := js.KeyValue(ctx, cfg.Setup.Control)
+	control, err := cjs.KeyValue(ctx, cfg.Setup.Control)
 	if err != nil {
 		return nil, fmt.Errorf("opening bucket %s: %w", cfg.Setup.Control, err)
 	}
@@ -254,7 +267,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	if ecfg.LeaseTTL, controlReplicas, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
 		return nil, err
 	}
-	if ecfg.JudgedExpiry, err = judgedExpiry(controlReplicas, ecfg, pool, log); err != nil {
+	if ecfg.JudgedExpiry, err = judgedExpiry(ctx, controlReplicas, ecfg, pool, log); err != nil {
 		return nil, err
 	}
 	r.leaseTTL = ecfg.LeaseTTL
@@ -266,7 +279,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	} else {
 		ecfg.OnChange = r.observeChange
 	}
-	elector, err := election.New(js, control, func(ctx context.Context, l *election.Lease) (err error) {
+	elector, err := election.New(cjs, control, func(ctx context.Context, l *election.Lease) (err error) {
 		defer func() {
 			if errors.Is(err, fenced) || errors.Is(context.Cause(ctx), election.ErrLeaseLost) {
 				r.metrics.ObserveFenced()
@@ -576,6 +589,9 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 		TableRevision: r.table.Revision(),
 		WatchLag:      -1,
 		LeaseTTL:      r.leaseTTL,
+	}
+	if lp, ok := r.pool.(*lanes.Pool); ok {
+		s.WriteModes = lp.WriteModes()
 	}
 	for _, rep := range status.ReadReplication(ctx, r.js, r.streams, streamInfoTimeout) {
 		st := metrics.Stream{Name: rep.Stream, Replicas: rep.Replicas, Leader: rep.Leader}

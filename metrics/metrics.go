@@ -48,6 +48,9 @@ type Snapshot struct {
 	LeaseTTL time.Duration
 	// Streams are the streams and buckets the replica uses, with their leaders and followers.
 	Streams []Stream
+	// WriteModes say how the replica writes each output stream now: "atomic", "batch" (fast
+	// ingest) or "single" (package ordered).
+	WriteModes map[string]string
 }
 
 // Stream is how one stream (or a bucket's stream) is replicated, as its info says.
@@ -248,10 +251,11 @@ var (
 	descLeader     = prometheus.NewDesc("kvmapper_stream_leader", "1 for the server that leads the stream or bucket.", []string{"stream", "server"}, nil)
 	descFollowLag  = prometheus.NewDesc("kvmapper_stream_follower_lag", "Operations a follower of the stream or bucket is behind its leader.", []string{"stream", "server"}, nil)
 	descFollowCur  = prometheus.NewDesc("kvmapper_stream_follower_current", "1 when a follower of the stream or bucket has everything its leader has.", []string{"stream", "server"}, nil)
+	descWriteMode  = prometheus.NewDesc("kvmapper_write_mode", "1 for how the replica writes an output stream: atomic or fast-ingest batches (a leader change reorders nothing), or single publishes.", []string{"stream", "mode"}, nil)
 	descFollowSeen = prometheus.NewDesc("kvmapper_stream_follower_seen_seconds", "Since the leader of the stream or bucket last heard from a follower.", []string{"stream", "server"}, nil)
 	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
 		descParked, descReleased, descParkedDevs, descParkedMsgs,
-		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen}
+		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen, descWriteMode}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -306,6 +310,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(descParkedMsgs, float64(s.ParkedMessages))
 	if s.LeaseTTL > 0 {
 		gauge(descLeaseTTL, s.LeaseTTL.Seconds())
+	}
+	for stream, mode := range s.WriteModes {
+		gauge(descWriteMode, 1, stream, mode)
 	}
 	for _, st := range s.Streams {
 		gauge(descReplicas, float64(st.Replicas), st.Name)

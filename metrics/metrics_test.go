@@ -230,7 +230,7 @@ func TestStreamReplication(t *testing.T) {
 				{Server: "n2", Lag: 42, SeenAgo: 3 * time.Second},
 			}},
 			{Name: "KV_kvmapper", Replicas: 3, Followers: []metrics.Follower{{Server: "n0"}, {Server: "n1"}}},
-		}}
+		}, WriteModes: map[string]string{"OUTGOING": "atomic", "UNMAPPED": "single"}}
 	}, metrics.Config{Replica: "r0"})
 	if err != nil {
 		t.Fatal(err)
@@ -248,6 +248,8 @@ func TestStreamReplication(t *testing.T) {
 		`kvmapper_stream_follower_lag{server="n2",stream="OUTGOING"} 42`,
 		`kvmapper_stream_follower_seen_seconds{server="n2",stream="OUTGOING"} 3`,
 		`kvmapper_stream_has_leader{stream="KV_kvmapper"} 0`,
+		`kvmapper_write_mode{mode="atomic",stream="OUTGOING"} 1`,
+		`kvmapper_write_mode{mode="single",stream="UNMAPPED"} 1`,
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("GET /metrics lacks %q", want)

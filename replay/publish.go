@@ -11,6 +11,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 
+	"github.com/kvmapper/kvmapper/ordered"
+
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -18,36 +20,21 @@ import (
 // already stored, a dry run) are settled from the start; they keep their place in the queue
 // so that Done advances in stream order.
 type entry struct {
-	seq      uint64
+	om       ordered.Msg   // what the writer publishes, and what it learnt: Key is seq
+	seq      uint64        // the source's sequence
 	src      jetstream.Msg // the message read, to rebuild a dead letter from
 	msg      *nats.Msg     // what is published; nil when nothing is
 	target   string        // the stream that must store msg
 	reason   string        // dead-letter reason; "" for a mapped message
 	group    string
 	stripped bool // a dead letter reduced to its reason after the stream refused it
+	dry      bool // a dry run: settled as if stored
 
-	fut   jetstream.PubAckFuture
 	sent  bool   // published at least once to target
 	floor uint64 // target's highest acknowledged sequence when first published there
-	ack   *jetstream.PubAck
-	err   error
 }
 
-func (e *entry) settled() bool { return e.msg == nil || e.ack != nil || e.err != nil }
-
-// poll takes e's outcome if it has come, without waiting.
-func (e *entry) poll() {
-	if e.settled() || e.fut == nil {
-		return
-	}
-	select {
-	case a := <-e.fut.Ok():
-		e.ack = a
-	case err := <-e.fut.Err():
-		e.err = err
-	default:
-	}
-}
+func (e *entry) settled() bool { return e.msg == nil || e.dry || e.om.Stored || e.om.Dropped }
 
 // replaySource replays one source from its Done to its Last, or until ctx is done.
 func (r *Replay) replaySource(ctx context.Context, i int) error {
@@ -72,6 +59,22 @@ func (r *Replay) replaySource(ctx context.Context, i int) error {
 		wg.Wait()
 	}()
 
+	answers, err := ordered.NewInbox(r.js.Conn(), 2*r.cfg.MaxInFlight+64)
+	if err != nil {
+		return fmt.Errorf("replay: %w", err)
+	}
+	defer answers.Close()
+	r.in = answers
+	r.w = answers.NewWriter(r.outputs(ctx), ordered.Config{PublishTimeout: r.cfg.PublishTimeout,
+		RetryBackoff: r.cfg.RetryBackoff, MaxRetryBackoff: r.cfg.MaxRetryBackoff, CheckStream: true,
+		OnFallback: func(stream string, err error) {
+			r.log.Warn().Str("stream", stream).Err(err).Msg("the stream refused a batch: replaying into it with single publishes")
+		}})
+	defer r.w.Close()
+	// A resumed replay resends what an earlier run may have stored: counted as the duplicates
+	// they are, one at a time until the first new store.
+	r.w.Probe()
+
 	tick := time.NewTicker(min(r.cfg.SaveInterval, r.cfg.ReportInterval))
 	defer tick.Stop()
 	lastSave, lastReport := time.Now(), time.Now()
@@ -79,7 +82,7 @@ func (r *Replay) replaySource(ctx context.Context, i int) error {
 	var next time.Time // when the next message may be read, with MaxRate
 	for {
 		r.popSettled(src)
-		if r.failed {
+		if r.w.Failed() {
 			if err := r.recover(ctx); err != nil {
 				return r.stop(ctx, src, err)
 			}
@@ -105,11 +108,6 @@ func (r *Replay) replaySource(ctx context.Context, i int) error {
 				inC = in
 			}
 		}
-		var okC <-chan *jetstream.PubAck
-		var errC <-chan error
-		if len(r.q) > 0 && !r.q[0].settled() && r.q[0].fut != nil {
-			okC, errC = r.q[0].fut.Ok(), r.q[0].fut.Err()
-		}
 		select {
 		case m, ok := <-inC:
 			if !ok {
@@ -130,12 +128,16 @@ func (r *Replay) replaySource(ctx context.Context, i int) error {
 				next = next.Add(time.Duration(float64(time.Second) / r.cfg.MaxRate))
 			}
 			r.take(src, m)
+			if len(in) == 0 || r.cfg.MaxRate > 0 {
+				r.w.Flush() // nothing more ready: what was batched goes now
+			}
 		case <-paceC:
-		case a := <-okC:
-			r.q[0].ack = a
-		case err := <-errC:
-			r.q[0].err = err
+		case a := <-r.in.C():
+			r.in.Handle(a)
+			r.in.Drain(-1)
 		case now := <-tick.C:
+			r.w.Expire(now)
+			r.w.Flush()
 			if now.Sub(lastSave) >= r.cfg.SaveInterval && !r.cfg.DryRun {
 				lastSave = now
 				if err := r.save(ctx); err != nil {
@@ -162,44 +164,21 @@ func (r *Replay) replaySource(ctx context.Context, i int) error {
 func (r *Replay) stop(ctx context.Context, src *source, why error) error {
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout+time.Second)
 	defer cancel()
-	r.settle(wctx)
+	_ = r.w.Settle(wctx)
 	r.popSettled(src)
 	return why
 }
 
-// settle waits until every entry in the queue has its outcome, or ctx is done.
-func (r *Replay) settle(ctx context.Context) {
-	for _, e := range r.q {
-		if e.settled() || e.fut == nil {
-			continue
-		}
-		select {
-		case a := <-e.fut.Ok():
-			e.ack = a
-		case err := <-e.fut.Err():
-			e.err = err
-		case <-ctx.Done():
-			return
-		}
-	}
-}
-
 // popSettled takes the settled entries off the head of the queue, in order, advancing src.Done.
-// It stops at the first failed one and marks the replay failed: nothing new is sent until it is
-// resent.
+// It stops at the first one not stored yet: nothing is counted done before it.
 func (r *Replay) popSettled(src *source) {
 	for len(r.q) > 0 {
 		e := r.q[0]
-		e.poll()
 		if !e.settled() {
 			return
 		}
-		if e.err == nil && e.ack != nil && e.ack.Stream != e.target {
-			e.err = fmt.Errorf("%w: stream %s stored a message meant for %s (%s)", ErrTarget, e.ack.Stream, e.target, e.msg.Subject)
-		}
-		if e.err != nil {
-			r.failed = true
-			return
+		if e.msg != nil && !e.dry {
+			r.w.Pop() // e's: the writer's queue holds the published entries, in the same order
 		}
 		r.q[0] = nil
 		r.q = r.q[1:]
@@ -210,14 +189,14 @@ func (r *Replay) popSettled(src *source) {
 
 // count adds a settled entry to the summary.
 func (r *Replay) count(e *entry) {
-	if e.ack != nil {
-		r.maxAck[e.target] = max(r.maxAck[e.target], e.ack.Sequence)
-		if e.ack.Duplicate {
-			r.sum.Duplicates++
-		}
-	}
 	if e.msg == nil {
 		return // skipped or already stored: counted when taken
+	}
+	if !e.dry {
+		r.maxAck[e.target] = max(r.maxAck[e.target], e.om.Seq, r.w.LastSeq(r.tidx[e.target]))
+		if e.om.Duplicate {
+			r.sum.Duplicates++
+		}
 	}
 	switch {
 	case e.reason == wire.ReasonDropped:
@@ -226,7 +205,7 @@ func (r *Replay) count(e *entry) {
 		r.sum.Reasons[e.reason]++
 	default:
 		r.sum.Groups[e.group]++
-		if e.ack == nil || !e.ack.Duplicate {
+		if !e.om.Duplicate {
 			r.sum.Mapped++
 		}
 	}
@@ -249,7 +228,7 @@ func (r *Replay) take(src *source, m jetstream.Msg) {
 		r.sum.AlreadyStored++
 		e.msg = nil
 	case r.cfg.DryRun:
-		e.ack = &jetstream.PubAck{Stream: e.target} // counted as it leaves the queue
+		e.dry = true // counted as it leaves the queue
 	case r.fits(e):
 		r.send(e)
 	}
@@ -288,71 +267,86 @@ func headerSize(h nats.Header) int {
 	return n
 }
 
-// send publishes e to its target.
+// send hands e to the writer, for its target.
 func (r *Replay) send(e *entry) {
 	if !e.sent {
 		e.sent, e.floor = true, r.maxAck[e.target]
 	}
-	e.ack, e.err = nil, nil
-	fut, err := r.pub.PublishMsgAsync(e.msg, jetstream.WithRetryAttempts(0))
-	if err != nil {
-		e.fut, e.err = nil, err
-		r.failed = true
-		return
-	}
-	e.fut = fut
+	e.om.Key, e.om.Stream, e.om.Out = e.seq, r.tidx[e.target], e.msg
+	r.w.Send(&e.om)
 }
 
 // recover waits until everything in flight has its outcome, then, after a backoff, resends in
-// stream order every entry that was not acknowledged. The target drops by their Nats-Msg-Id the
-// ones it had stored. A message refused for good (too large, not allowed) becomes a dead letter; a
-// dead letter refused for good is resent stripped, then given up on (logged and counted).
+// stream order every entry that was not stored (package ordered). The target drops by their
+// Nats-Msg-Id the ones it had stored. A message refused for good (too large, not allowed)
+// becomes a dead letter; a dead letter refused for good is resent stripped, then given up on
+// (logged and counted). A message another stream stored is the end: [ErrTarget].
 func (r *Replay) recover(ctx context.Context) error {
-	r.settle(ctx)
-	if ctx.Err() != nil {
+	if err := r.w.Settle(ctx); err != nil {
 		return nil
 	}
-	var first error
+	first := r.w.FirstErr()
+	if errors.Is(first, ordered.ErrWrongStream) {
+		return fmt.Errorf("%w: %w", ErrTarget, first)
+	}
+	if first != nil {
+		pause := r.w.Backoff(first)
+		r.warn("publish", func(ev *zerolog.Event) {
+			ev.Err(first).Int("in_flight", r.w.Len()).Int64("retry_in_ms", pause.Round(time.Millisecond).Milliseconds()).
+				Msg("publish failed; resending in order (if this persists, check that the target streams exist and the server is reachable)")
+		})
+		t := time.NewTimer(pause)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		}
+	}
+	return r.w.Resend(ordered.Hooks{Redirect: func(m *ordered.Msg) bool {
+		e := r.entryOf(m)
+		if e == nil {
+			return true
+		}
+		reason, why := permanent(m.Err)
+		if reason == "" {
+			return true
+		}
+		if !r.refused(e, reason, why) {
+			return false
+		}
+		if !e.sent {
+			e.sent, e.floor = true, r.maxAck[e.target]
+		}
+		m.Out, m.Stream = e.msg, r.tidx[e.target]
+		return true
+	}})
+}
+
+// entryOf returns the queue's entry of a message of the writer, or nil.
+func (r *Replay) entryOf(m *ordered.Msg) *entry {
 	for _, e := range r.q {
-		if e.err != nil {
-			first = e.err
-			break
+		if &e.om == m {
+			return e
 		}
 	}
-	if first == nil {
-		r.failed = false
-		return nil
-	}
-	if errors.Is(first, ErrTarget) {
-		return first
-	}
-	r.backoff = min(max(2*r.backoff, r.cfg.RetryBackoff), r.cfg.MaxRetryBackoff)
-	r.warn("publish", func(ev *zerolog.Event) {
-		ev.Err(first).Int("in_flight", len(r.q)).Int64("retry_in_ms", r.backoff.Round(time.Millisecond).Milliseconds()).
-			Msg("publish failed; resending in order (if this persists, check that the target streams exist and the server is reachable)")
-	})
-	t := time.NewTimer(r.backoff)
-	select {
-	case <-t.C:
-	case <-ctx.Done():
-		t.Stop()
-		return nil
-	}
-	r.failed = false
-	for _, e := range r.q {
-		if e.err == nil {
-			continue
-		}
-		if reason, why := permanent(e.err); reason != "" && !r.refused(e, reason, why) {
-			continue
-		}
-		r.send(e)
-		if r.failed {
-			return nil // not even sent: the next round starts here
-		}
-	}
-	r.backoff = 0
 	return nil
+}
+
+// outputs are the writer's streams, the replay's targets, each written as its configuration
+// allows (ordered.ModeFor).
+func (r *Replay) outputs(ctx context.Context) []ordered.Stream {
+	r.tidx = map[string]int{}
+	var out []ordered.Stream
+	for i, name := range r.tg.list() {
+		r.tidx[name] = i
+		mode := ordered.ModeSingle
+		if s, err := r.js.Stream(ctx, name); err == nil {
+			mode = ordered.ModeFor(s.CachedInfo().Config)
+		}
+		out = append(out, ordered.Stream{Name: name, Mode: mode})
+	}
+	return out
 }
 
 // refused handles a publish refused for good; it returns false when the replay gave up on the
@@ -374,8 +368,8 @@ func (r *Replay) refused(e *entry, reason, why string) bool {
 	default:
 		r.log.Error().Uint64("seq", e.seq).Str("error", why).Str("stream", e.target).
 			Msg("the dead-letter stream refused even a stripped dead letter; giving up on it (it stays in INCOMING at this sequence)")
-		e.err, e.reason, e.ack = nil, wire.ReasonDropped, &jetstream.PubAck{Stream: e.target}
-		return false
+		e.reason = wire.ReasonDropped
+		return false // the writer settles it as dropped
 	}
 	return true
 }

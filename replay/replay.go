@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/ratelog"
 	"github.com/kvmapper/kvmapper/kv"
+	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -70,7 +71,6 @@ type Progress struct {
 // safe for concurrent use.
 type Replay struct {
 	js  jetstream.JetStream // reads
-	pub jetstream.JetStream // publishes, with its own acknowledgement timeout
 	cfg Config
 	log zerolog.Logger
 
@@ -90,9 +90,10 @@ type Replay struct {
 	maxSize map[string]int             // by target: its largest message, when it has a limit
 	devices map[string]bool            // nil: all
 
-	q       []*entry // in flight or settled behind an unsettled one, in stream order
-	failed  bool
-	backoff time.Duration
+	q    []*entry       // in flight or settled behind an unsettled one, in stream order
+	in   *ordered.Inbox // the writer's answers
+	w    *ordered.Writer
+	tidx map[string]int // target → index in w's streams
 
 	sum       Summary
 	start     time.Time
@@ -111,12 +112,7 @@ func New(js jetstream.JetStream, cfg Config) (*Replay, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	pub, err := jetstream.New(js.Conn(), jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
-		jetstream.WithPublishAsyncMaxPending(2*cfg.MaxInFlight))
-	if err != nil {
-		return nil, err
-	}
-	r := &Replay{js: js, pub: pub, cfg: cfg, log: cfg.Logger, parts: cfg.partitions(),
+	r := &Replay{js: js, cfg: cfg, log: cfg.Logger, parts: cfg.partitions(),
 		maxAck: map[string]uint64{}, maxSize: map[string]int{}, warns: ratelog.Limiter{Every: time.Second}}
 	if len(cfg.Devices) > 0 {
 		r.devices = make(map[string]bool, len(cfg.Devices))

@@ -79,6 +79,10 @@ func (r *Replay) openTargets(ctx context.Context) (targets, error) {
 			Retention:   jetstream.LimitsPolicy,
 			Duplicates:  c.DuplicateWindow,
 			Replicas:    c.Replicas,
+			// Written in batches (package ordered): nothing later of a device is stored
+			// before an earlier one, through a leader change too.
+			AllowBatchPublish:  true,
+			AllowAtomicPublish: true,
 		})
 		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 			s, err = r.js.Stream(ctx, c.Into)

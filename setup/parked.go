@@ -84,6 +84,8 @@ func ensureParked(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		MaxMsgs:              pc.MaxTotal,
 		Duplicates:           cfg.DuplicateWindow,
 		Replicas:             cfg.Replicas,
+		AllowBatchPublish:    true,
+		AllowAtomicPublish:   cfg.Replicas > 1, // the lanes write a replicated PARKED in atomic batches
 	}
 	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)

@@ -225,6 +225,10 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		Retention:   jetstream.LimitsPolicy,
 		Duplicates:  cfg.DuplicateWindow,
 		Replicas:    cfg.Replicas,
+		// The lanes write in batches where the stream allows them (lanes.Config.Singles): fast
+		// ingest on one replica, atomic on several (fenceOutput allows those); only batches
+		// keep a device's order through a leader change.
+		AllowBatchPublish: true,
 	}
 	fenceOutput(&want)
 	info, created, err := createOrGet(ctx, js, want)
@@ -232,7 +236,7 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		return "", err
 	}
 	if created {
-		return fmt.Sprintf("created stream %s: %s, duplicate window %v", name, subject, cfg.DuplicateWindow), nil
+		return fmt.Sprintf("created stream %s: %s, duplicate window %v, %s", name, subject, cfg.DuplicateWindow, WriteMode(want)), nil
 	}
 	got := info.Config
 	if !slices.Contains(got.Subjects, subject) {
@@ -243,7 +247,24 @@ func ensureOutput(ctx context.Context, js jetstream.JetStream, cfg Config, name,
 		return "", fmt.Errorf("%w: stream %s has a duplicate window of %v, below the %v a takeover needs to drop what a deposed owner sent: `nats stream edit %s --dupe-window %v`",
 			ErrMismatch, name, got.Duplicates, MinDuplicateWindow, name, MinDuplicateWindow)
 	}
-	return fmt.Sprintf("stream %s ok: %s, duplicate window %v", name, subject, got.Duplicates), nil
+	return fmt.Sprintf("stream %s ok: %s, duplicate window %v, %s", name, subject, got.Duplicates, WriteMode(got)), nil
+}
+
+// WriteMode says how the lanes write an output stream configured so: in atomic batches when it is
+// replicated and allows them, in fast-ingest batches when it allows those, else with single
+// publishes, and then what to change.
+func WriteMode(c jetstream.StreamConfig) string {
+	switch {
+	case c.Replicas > 1 && c.AllowAtomicPublish:
+		return "written in atomic batches"
+	case c.AllowBatchPublish:
+		return "written in fast-ingest batches"
+	case c.AllowAtomicPublish:
+		return "written in atomic batches"
+	case c.Replicas > 1:
+		return fmt.Sprintf("written with single publishes (a leader change can reverse a device's order: `nats stream edit %s --allow-batch`, atomic batches)", c.Name)
+	}
+	return fmt.Sprintf("written with single publishes (`nats stream edit %s --allow-fast` writes it faster, in fast batches)", c.Name)
 }
 
 func createOrGet(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig) (*jetstream.StreamInfo, bool, error) {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
@@ -24,9 +25,14 @@ type Replication struct {
 	Leader string `json:"leader"`
 	// Followers are the other replicas.
 	Followers []Follower `json:"followers,omitempty"`
+	// WriteMode is how kvmapper's lanes write it, for an output stream (OUTGOING, UNMAPPED,
+	// PARKED): "atomic", "batch" or "single" (ordered.ModeFor); "" for the others.
+	WriteMode string `json:"write_mode,omitempty"`
 	// Error says why the stream's info could not be read (a stream electing its leader answers
 	// nothing for seconds).
 	Error string `json:"error,omitempty"`
+
+	mode string // how it would be written, were it an output stream
 }
 
 // Follower is one replica of a stream that does not lead it.
@@ -88,6 +94,7 @@ func readReplication(ctx context.Context, js jetstream.JetStream, name string) R
 	}
 	info := s.CachedInfo()
 	r.Replicas = info.Config.Replicas
+	r.mode = ordered.ModeFor(info.Config).String()
 	if info.Cluster == nil {
 		return r
 	}

@@ -104,6 +104,14 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 	wg.Go(func() { replies = ask(ctx, js.Conn(), cfg, members) })
 	wg.Go(func() {
 		snap.Replication = ReadReplication(ctx, js, streamNames, cfg.Timeout)
+		for i, r := range snap.Replication {
+			if r.Stream == cfg.Outgoing || r.Stream == cfg.Unmapped || r.Stream == cfg.Parked {
+				if r.Stream == cfg.Parked && r.mode == "batch" {
+					r.mode = "single" // parking needs each park's sequence (package lanes)
+				}
+				snap.Replication[i].WriteMode = r.mode
+			}
+		}
 	})
 	defer wg.Wait()
 	var streams []jetstream.Stream

@@ -194,6 +194,21 @@ func (s *Snapshot) writeReplication(w io.Writer) error {
 	for _, e := range errs {
 		fmt.Fprintln(w, e)
 	}
+	var writes []string
+	single := false
+	for _, r := range s.Replication {
+		if r.WriteMode != "" {
+			writes = append(writes, r.Stream+" in "+map[string]string{"atomic": "atomic batches", "batch": "fast-ingest batches", "single": "single publishes"}[r.WriteMode])
+			single = single || r.WriteMode == "single"
+		}
+	}
+	if len(writes) > 0 {
+		fmt.Fprintf(w, "the lanes write %s", strings.Join(writes, ", "))
+		if single {
+			fmt.Fprint(w, " (single publishes: a leader change of the stream can reverse a device's order; kvmapper setup says what to change)")
+		}
+		fmt.Fprintln(w)
+	}
 	return nil
 }
 

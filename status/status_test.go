@@ -298,6 +298,17 @@ func testRead(t *testing.T, e *env) {
 		}
 	}
 	want = append(want, "REPLICAS", "FOLLOWERS", "KV_device-groups")
+	// How the lanes write the output streams setup made: in fast-ingest batches, one server.
+	for _, r := range snap.Replication {
+		want := ""
+		if r.Stream == "OUTGOING" || r.Stream == "UNMAPPED" {
+			want = "batch"
+		}
+		if r.WriteMode != want {
+			t.Errorf("replication of %s: WriteMode %q, want %q", r.Stream, r.WriteMode, want)
+		}
+	}
+	want = append(want, "the lanes write OUTGOING in fast-ingest batches, UNMAPPED in fast-ingest batches\n")
 	// The lag count leaves no consumer behind.
 	for _, name := range e.names.IncomingStreams(partitions) {
 		info, err := e.js.Stream(ctx, name)

@@ -156,11 +156,19 @@ func runAction(c *cli.Context, version string) error {
 		return err
 	}
 	defer nc.Close()
+	// Leases, heartbeats and checkpoints on a connection of their own: behind the lanes' traffic
+	// they would wait their turn (mapper.Config.Control).
+	cnc, cjs, err := dial(c, "kvmapper "+id+" control", embeddedURL, log)
+	if err != nil {
+		return err
+	}
+	defer cnc.Close()
 	if err := chooseRunLayout(ctx, js, &scfg, srv, log); err != nil {
 		return err
 	}
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:      id,
+		Control: cjs,
 		Version: version,
 		Setup:   scfg,
 		Lanes: lanes.Config{
