@@ -152,7 +152,7 @@ func TestNetLostRoute(t *testing.T) {
 	ls, ms := nc.servers[l].name, nc.servers[m].name
 	nc.place(map[string]string{
 		subjects.BucketStream(nc.names.Control): ls,
-		nc.names.Incoming: ms, nc.names.Outgoing: ms, nc.names.Unmapped: ms, subjects.BucketStream(nc.names.Groups): ms,
+		nc.names.Incoming:                       ms, nc.names.Outgoing: ms, nc.names.Unmapped: ms, subjects.BucketStream(nc.names.Groups): ms,
 	})
 	var reachable []int // r0's partitions whose consumer r0 reaches without L
 	for _, p := range ps {
