@@ -96,8 +96,11 @@ func TestNetOwnerServerInTheMinority(t *testing.T) {
 	nc := newNetCluster(t, devices, netOptions{pinned: true})
 	nc.requireJudged()
 	nc.place(map[string]string{
-		nc.names.Outgoing: "s2", nc.names.Unmapped: "s2",
-		nc.names.Incoming: "s0", subjects.BucketStream(nc.names.Control): "s0", subjects.BucketStream(nc.names.Groups): "s1",
+		nc.names.Outgoing:                       "s2",
+		nc.names.Unmapped:                       "s2",
+		nc.names.Incoming:                       "s0",
+		subjects.BucketStream(nc.names.Control): "s0",
+		subjects.BucketStream(nc.names.Groups):  "s1",
 	})
 	gen := nc.generator(devices, targetRate)
 	nc.flows(1000)
@@ -152,7 +155,10 @@ func TestNetLostRoute(t *testing.T) {
 	ls, ms := nc.servers[l].name, nc.servers[m].name
 	nc.place(map[string]string{
 		subjects.BucketStream(nc.names.Control): ls,
-		nc.names.Incoming:                       ms, nc.names.Outgoing: ms, nc.names.Unmapped: ms, subjects.BucketStream(nc.names.Groups): ms,
+		subjects.BucketStream(nc.names.Groups):  ms,
+		nc.names.Incoming:                       ms,
+		nc.names.Outgoing:                       ms,
+		nc.names.Unmapped:                       ms,
 	})
 	var reachable []int // r0's partitions whose consumer r0 reaches without L
 	for _, p := range ps {
