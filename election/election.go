@@ -225,6 +225,12 @@ func (e *Elector) stale() bool {
 // still counts as one run of writable time (see [Config.JudgedExpiry]).
 func (e *Elector) ownGap() time.Duration { return 3 * e.cfg.RenewInterval }
 
+// deafAfter is how long before its heartbeat was stored a member may have last seen its own
+// writes on its watch and still be counted in the quotas (see [heard.deaf]): twice ownGap, so
+// that a watch a loaded machine delays does not drop a member, while one that hears nothing
+// after a network cut (for as long as the cut lasted) is left out until it hears again.
+func (e *Elector) deafAfter() time.Duration { return 2 * e.ownGap() }
+
 // judged reports whether a key last written at h (a lease, a member) has been silent for
 // JudgedExpiry of writable time: its owner is taken for dead.
 func (e *Elector) judged(own writable, h heard) bool {
@@ -273,6 +279,9 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 		}
 		if e.judged(own, h) {
 			continue // left out of the quotas: it has been silent for JudgedExpiry
+		}
+		if h.deaf(e.deafAfter()) {
+			continue // left out of the quotas: it writes the bucket but does not hear it
 		}
 		later(e.judgeable(own, h))
 		members = append(members, m)
@@ -559,7 +568,10 @@ func (e *Elector) heartbeat(ctx context.Context) {
 // "alive", and a heartbeat must recreate it if it expired during a network blip.
 func (e *Elector) putMember(ctx context.Context) error {
 	msg := nats.NewMsg(e.memberSubject)
-	msg.Data = []byte(e.cfg.ReplicaID)
+	e.view.mu.Lock()
+	heard := e.view.own.last.stored
+	e.view.mu.Unlock()
+	msg.Data = wire.MemberValue(e.cfg.ReplicaID, heard)
 	_, err := e.js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(e.cfg.MemberTTL))
 	return err
 }

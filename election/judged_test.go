@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // runs records every Work run of every replica, allowing overlaps: with JudgedExpiry an owner
@@ -240,4 +242,58 @@ func TestWorkFencedIsALostLease(t *testing.T) {
 	if string(e.Value()) != "a" {
 		t.Errorf("lease.0 = %q, want a's", e.Value())
 	}
+}
+
+// TestDeafMemberIsLeftOutOfTheQuotas heartbeats a member b by hand, its value saying when it
+// last saw its own writes back (wire.MemberValue), beside a real replica a: while b hears the
+// bucket a's quota is half the partitions; once b's heartbeats say it has heard nothing for 10s
+// (what reaches the bucket from a replica after a network cut heals, before the bucket's answers
+// reach it again), a takes them all, handing none to b, which could not take them; when b hears
+// again, a hands its share back.
+func TestDeafMemberIsLeftOutOfTheQuotas(t *testing.T) {
+	const P = 4
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	kv := newBucket(t, js)
+	var deafSince atomic.Pointer[time.Time]
+	ctx, cancel := context.WithCancel(context.Background())
+	beats := make(chan struct{})
+	go func() {
+		defer close(beats)
+		tick := time.NewTicker(judgedRenew)
+		defer tick.Stop()
+		for {
+			heard := time.Now().Add(-judgedRenew)
+			if d := deafSince.Load(); d != nil {
+				heard = *d
+			}
+			if _, err := kv.Put(ctx, wire.MemberKey("b"), wire.MemberValue("b", heard)); err != nil && ctx.Err() == nil {
+				t.Errorf("heartbeat of b: %v", err)
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-beats })
+	natstest.Eventually(t, 5*time.Second, func() error {
+		_, err := kv.Get(context.Background(), wire.MemberKey("b"))
+		return err
+	})
+	rs := newRuns()
+	// Grace outlasts the test: a claims only what its quota gives it.
+	a := startReplica(t, srv, "a", P, rs.work("a"), func(c *election.Config) {
+		judgedConfig(c)
+		c.Grace = time.Minute
+	})
+	natstest.Eventually(t, 10*time.Second, ownsCount(a, P/2, P/2))
+
+	since := time.Now().Add(-10 * time.Second)
+	deafSince.Store(&since)
+	natstest.Eventually(t, 10*time.Second, ownsCount(a, P, P))
+
+	deafSince.Store(nil)
+	natstest.Eventually(t, 10*time.Second, ownsCount(a, P/2, P/2))
 }

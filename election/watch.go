@@ -27,6 +27,17 @@ type slot struct {
 // the stream's timestamp when it was stored.
 type heard struct {
 	seen, stored time.Time
+	// hears, for a member key, is when the last of the member's own writes that it had seen on its
+	// watch was stored, as its heartbeat says (wire.MemberValue); zero when it says nothing.
+	hears time.Time
+}
+
+// deaf reports whether a member's heartbeat h says it did not hear the bucket: its own writes
+// seen on its watch stopped more than gap before the heartbeat was stored. Its writes reach the
+// bucket but the bucket's answers and updates do not reach it (one direction of its connection
+// is still down after a network cut), so it cannot take partitions handed to it.
+func (h heard) deaf(gap time.Duration) bool {
+	return !h.hears.IsZero() && h.stored.Sub(h.hears) > gap
 }
 
 // writable is the run of this replica's own control-bucket writes that the watch showed back to
@@ -187,11 +198,16 @@ func (e *Elector) apply(ent jetstream.KeyValueEntry) {
 	h := heard{seen: now, stored: ent.Created()}
 	if kind == wire.KindMember {
 		e.view.mu.Lock()
-		_, had := e.view.members[id]
+		prev, had := e.view.members[id]
 		if gone {
 			delete(e.view.members, id)
 		} else {
+			_, h.hears = wire.ParseMemberValue(ent.Value())
 			e.view.members[id] = h
+			if had && id != e.cfg.ReplicaID && prev.deaf(e.deafAfter()) != h.deaf(e.deafAfter()) {
+				// It can take partitions again, or not: the quotas change.
+				defer e.kickLoop()
+			}
 			if id == e.cfg.ReplicaID && e.view.ready {
 				e.view.own.add(h, e.ownGap())
 				if e.cfg.JudgedExpiry > 0 {

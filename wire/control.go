@@ -3,6 +3,7 @@ package wire
 import (
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The kinds of key in the control bucket: lease.<p>, member.<id> and checkpoint.<p>, and
@@ -22,8 +23,37 @@ func LeaseKey(p int) string { return KindLease + "." + strconv.Itoa(p) }
 // LeaseFilter is the key filter of every partition's lease, "lease.>".
 const LeaseFilter = KindLease + ".>"
 
-// MemberKey is the control-bucket key a live replica heartbeats; its value is the replica's id.
+// MemberKey is the control-bucket key a live replica heartbeats; its value is [MemberValue].
 func MemberKey(id string) string { return KindMember + "." + id }
+
+// MemberValue is the value of a replica's member key: its id and, after a newline, when the
+// last of its own writes to the control bucket that it saw back on its watch was stored (Unix
+// nanoseconds, by the bucket's timestamps), if it has seen one. The second line tells the other
+// replicas whether it hears the bucket: a replica whose connection delivers its writes but not
+// the bucket's answers (after a network cut heals, one direction of a TCP connection can
+// recover seconds before the other) heartbeats without hearing anything, and cannot take
+// partitions handed to it. Older replicas wrote the bare id.
+func MemberValue(id string, heard time.Time) []byte {
+	if heard.IsZero() {
+		return []byte(id)
+	}
+	return strconv.AppendInt(append([]byte(id), '\n'), heard.UnixNano(), 10)
+}
+
+// ParseMemberValue returns the id and the time of [MemberValue]; heard is zero when the value
+// names none (a bare id, or a replica that has not seen its own writes yet).
+func ParseMemberValue(v []byte) (id string, heard time.Time) {
+	s := string(v)
+	id, ns, ok := strings.Cut(s, "\n")
+	if !ok {
+		return s, time.Time{}
+	}
+	n, err := strconv.ParseInt(ns, 10, 64)
+	if err != nil || n <= 0 {
+		return id, time.Time{}
+	}
+	return id, time.Unix(0, n)
+}
 
 // MemberFilter is the key filter of every member, "member.>" (a member id may hold dots).
 const MemberFilter = KindMember + ".>"

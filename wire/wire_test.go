@@ -217,3 +217,25 @@ func TestParseModeAndReceive(t *testing.T) {
 		t.Error("MarksDirect: only \"direct\" marks direct mode")
 	}
 }
+
+func TestMemberValue(t *testing.T) {
+	at := time.Unix(1_700_000_000, 123_456_789)
+	for _, tc := range []struct {
+		name  string
+		value []byte
+		id    string
+		heard time.Time
+	}{
+		{"with the time heard", wire.MemberValue("r-1", at), "r-1", at},
+		{"nothing heard yet", wire.MemberValue("r-1", time.Time{}), "r-1", time.Time{}},
+		{"an older replica's bare id", []byte("r-1"), "r-1", time.Time{}},
+		{"a second line that is no time", []byte("r-1\nsoon"), "r-1", time.Time{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			id, heard := wire.ParseMemberValue(tc.value)
+			if id != tc.id || !heard.Equal(tc.heard) {
+				t.Errorf("ParseMemberValue(%q) = %q, %v; want %q, %v", tc.value, id, heard, tc.id, tc.heard)
+			}
+		})
+	}
+}
