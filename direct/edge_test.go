@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/direct"
@@ -95,6 +96,46 @@ func TestHandoffTimeout(t *testing.T) {
 	if ack, err := f.js.Publish(context.Background(), "incoming.dev-1.temp", []byte("1")); err != nil || ack.Stream != "OUTGOING" {
 		t.Fatalf("Publish to the new owner = %+v, %v", ack, err)
 	}
+}
+
+// A previous owner killed in the middle of a handoff (kill -9 after the new owner's announcement
+// reached it, before its answer got out) does not hold the partition up for the new owner's
+// whole AnswerTimeout: its subscriptions went with its connection, and the new owner's next
+// announcement gets no responders. The old owner's answer is lost on its way
+// (natstest.Dropper), then its connection is closed; with an AnswerTimeout of 10 s the new owner
+// must serve, and a device get its PubAck, within half of it.
+func TestOwnerKilledMidHandoff(t *testing.T) {
+	eachReceive(t, func(t *testing.T, f *fixture) {
+		f.groups.set("dev-1", "g")
+		part := partOf("dev-1")
+		drop := &natstest.Dropper{}
+		nca := f.srv.Connect(t, nats.ReconnectBufSize(-1), nats.SetCustomDialer(drop))
+		a := f.poolOn(nca, "a", nil, nil)
+		ra := f.run(a, direct.Assignment{Partition: part, Epoch: 1})
+		drop.Drop(nats.InboxPrefix) // the old owner's answer to the announcement
+		ra.release(t)
+		const answerTimeout = 10 * time.Second
+		b := f.pool("b", nil, func(c *direct.Config) { c.AnswerTimeout = answerTimeout })
+		asg := direct.Assignment{Partition: part, Epoch: 2}
+		start := time.Now()
+		rb := f.start(b, asg)
+		natstest.Eventually(t, answerTimeout, func() error {
+			if drop.Dropped() == 0 {
+				return errors.New("the old owner has not answered the new owner's announcement")
+			}
+			return nil
+		})
+		nca.Close() // kill -9: the server drops its subscriptions
+		rb.waitServed(t, b, asg, 2*answerTimeout)
+		if d := time.Since(start); d > answerTimeout/2 {
+			t.Errorf("the new owner served %v after the old owner died mid-handoff, want well under its answer timeout (%v)", d.Round(time.Millisecond), answerTimeout)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if ack, err := f.js.Publish(ctx, "incoming.dev-1.temp", []byte("0")); err != nil || ack.Stream != "OUTGOING" {
+			t.Fatalf("Publish to the new owner = %+v, %v; want OUTGOING's acknowledgement", ack, err)
+		}
+	})
 }
 
 // With nobody else to take over (the last replica stopping), a released partition stops at once.

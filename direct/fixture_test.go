@@ -110,7 +110,12 @@ func eachReceive(t *testing.T, test func(t *testing.T, f *fixture)) {
 // pool returns a pool on a connection of its own, closed at the end of the test.
 func (f *fixture) pool(replica string, lookup direct.LookupFunc, mod func(*direct.Config)) *direct.Pool {
 	f.t.Helper()
-	nc := f.srv.Connect(f.t, nats.ReconnectBufSize(-1))
+	return f.poolOn(f.srv.Connect(f.t, nats.ReconnectBufSize(-1)), replica, lookup, mod)
+}
+
+// poolOn returns a pool on nc, closed at the end of the test.
+func (f *fixture) poolOn(nc *nats.Conn, replica string, lookup direct.LookupFunc, mod func(*direct.Config)) *direct.Pool {
+	f.t.Helper()
 	cfg := direct.Config{Layout: f.lay, Receive: f.receive, Replica: replica, HandoffTimeout: 5 * time.Second}
 	if mod != nil {
 		mod(&cfg)
@@ -135,13 +140,27 @@ type running struct {
 // run starts p.Run(a) and waits until the partition serves.
 func (f *fixture) run(p *direct.Pool, a direct.Assignment) *running {
 	f.t.Helper()
+	r := f.start(p, a)
+	r.waitServed(f.t, p, a, 10*time.Second)
+	return r
+}
+
+// start starts p.Run(a).
+func (f *fixture) start(p *direct.Pool, a direct.Assignment) *running {
+	f.t.Helper()
 	ctx, cancel := context.WithCancelCause(context.Background())
 	r := &running{cancel: cancel, done: make(chan error, 1)}
 	go func() { r.done <- p.Run(ctx, a) }()
 	// At the end of the test the partition stops at once, as with a lost lease: a release would
 	// wait HandoffTimeout for a next owner.
 	f.t.Cleanup(func() { r.cancel(direct.ErrFenced); <-r.done })
-	natstest.Eventually(f.t, 10*time.Second, func() error {
+	return r
+}
+
+// waitServed waits up to timeout until p serves a.
+func (r *running) waitServed(t testing.TB, p *direct.Pool, a direct.Assignment, timeout time.Duration) {
+	t.Helper()
+	natstest.Eventually(t, timeout, func() error {
 		for _, s := range p.Partitions() {
 			if s.Partition == a.Partition && s.Epoch == a.Epoch {
 				return nil
@@ -155,7 +174,6 @@ func (f *fixture) run(p *direct.Pool, a direct.Assignment) *running {
 		}
 		return fmt.Errorf("partition %d epoch %d not served yet", a.Partition, a.Epoch)
 	})
-	return r
 }
 
 // release ends the Run with a release (not a fence) and waits for it to return.

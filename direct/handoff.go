@@ -91,8 +91,17 @@ func (l *lane) join(ctx context.Context) error {
 	return nil
 }
 
+// reannounces is how many times an announcement is sent within AnswerTimeout while no part of
+// an answer has come. A previous owner killed after the announcement reached it (a kill -9 in
+// the middle of a handoff) never answers; its subscription went with its connection, so the
+// next announcement gets no responders at once, instead of the partition's messages waiting
+// for the whole AnswerTimeout. A live previous owner keeps its subscription until it has
+// answered, and answers once: the repeats change nothing for it.
+const reannounces = 10
+
 // announce tells a previous owner still forwarding the partition that this lane has subscribed,
-// and returns its answer: nil when nobody forwards it, or nobody answered in time.
+// and returns its answer: nil when nobody forwards it (no responders, at the first announcement
+// or at a repeat), or nobody answered in time.
 func (l *lane) announce(ctx context.Context) (*answer, error) {
 	nc := l.p.nc
 	inbox := nc.NewInbox()
@@ -110,15 +119,25 @@ func (l *lane) announce(ctx context.Context) (*answer, error) {
 	}
 	ans := &answer{replies: map[string]struct{}{}}
 	parts := 0
+	first := time.Now().Add(l.p.cfg.AnswerTimeout) // when the wait for a first part ends
 	for {
-		wctx, cancel := context.WithTimeout(ctx, l.p.cfg.AnswerTimeout)
+		wait := l.p.cfg.AnswerTimeout
+		if parts == 0 {
+			wait = min(l.p.cfg.AnswerTimeout/reannounces, time.Until(first))
+		}
+		wctx, cancel := context.WithTimeout(ctx, wait)
 		r, err := sub.NextMsgWithContext(wctx)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
-		case errors.Is(err, nats.ErrNoResponders):
-			return nil, nil // nobody forwards the partition
+		case errors.Is(err, nats.ErrNoResponders) && parts == 0:
+			return nil, nil // nobody forwards the partition, or its previous owner died
+		case errors.Is(err, context.DeadlineExceeded) && parts == 0 && time.Now().Before(first):
+			if err := nc.PublishMsg(m); err != nil {
+				return nil, errors.Join(errors.New("direct: announcing on "+m.Subject), err)
+			}
+			continue
 		case err != nil:
 			l.p.warn("handoff answer", func(e *zerolog.Event) {
 				e.Int("partition", l.a.Partition).Int("parts", parts).Err(err).
