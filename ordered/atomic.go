@@ -73,6 +73,7 @@ var commitValue = []string{"1"}
 // no constants for.
 const (
 	errCodeWrongLastSeq     jetstream.ErrorCode = 10071 // a fence moved: a newer owner wrote its record
+	errCodeFenceInProcess   jetstream.ErrorCode = 10164 // "wrong last sequence" without one: the fence subject is in process
 	errCodeAtomicDuplicate  jetstream.ErrorCode = 10201 // some message of the batch is stored already
 	errCodeAtomicIncomplete jetstream.ErrorCode = 10176 // the batch lost a message on the way, or was abandoned
 	errCodeAtomicDisabled   jetstream.ErrorCode = 10174 // the stream does not allow atomic batches
@@ -81,6 +82,11 @@ const (
 
 // errAtomicRefused marks the messages of an atomic batch the stream refused whole.
 var errAtomicRefused = errors.New("ordered: the stream refused the atomic batch")
+
+// errFenceInProcess marks a single publish refused because an earlier message checking the same
+// fence was still in process (nats-server 2.15 jetstream_batching.go: a subject with an
+// expected-last-subject-sequence check in process refuses the next such check).
+var errFenceInProcess = errors.New("ordered: an earlier message checking the fence is still in process")
 
 // sendAtomic sends up to maxAtomic of t's waiting messages as one atomic batch: every message but
 // the last staged without a reply subject, the last committing it with the reply subject

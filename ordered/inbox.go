@@ -125,8 +125,18 @@ func (w *Writer) single(key uint64, a *nats.Msg) {
 	}
 	if err != nil {
 		var apiErr *jetstream.APIError
-		if t.fenceSubj != "" && errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeWrongLastSeq {
-			w.fenced = ErrFenced
+		if t.fenceSubj != "" && errors.As(err, &apiErr) {
+			switch apiErr.ErrorCode {
+			case errCodeWrongLastSeq:
+				w.fenced = ErrFenced
+			case errCodeFenceInProcess:
+				// Not about the message: the stream is still storing an earlier message that
+				// checked the same fence (a batch whose answer was lost, its proposal not yet
+				// applied on a cluster that lost its quorum or its leader). Sent again after
+				// the pause, as any failure of the stream; taken for the message's refusal it
+				// would become a dead letter while the earlier one may yet be stored.
+				err = fmt.Errorf("%w: %s (%d)", errFenceInProcess, apiErr.Description, apiErr.ErrorCode)
+			}
 		}
 		m.Err = err
 		w.setFailed()

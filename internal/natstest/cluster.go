@@ -452,6 +452,28 @@ func (c *Cluster) Kill(i int) {
 	nd.srv = nil
 }
 
+// CutRoutes cuts every route to and from node i, leaving its clients connected: a node whose
+// peers are unreachable while it still takes its clients' requests (a leader that cannot
+// commit). [Cluster.MendRoutes] lets them reconnect.
+func (c *Cluster) CutRoutes(i int) {
+	for j := range c.nodes {
+		if j != i {
+			c.links[i][j].cut()
+			c.links[j][i].cut()
+		}
+	}
+}
+
+// MendRoutes lets node i's routes reconnect after [Cluster.CutRoutes].
+func (c *Cluster) MendRoutes(i int) {
+	for j := range c.nodes {
+		if j != i {
+			c.links[i][j].mend()
+			c.links[j][i].mend()
+		}
+	}
+}
+
 // Stop shuts node i down gracefully, as nats-server does on SIGTERM: the Raft groups it leads
 // hand their leadership to a follower first. Its store stays for [Cluster.Restart].
 func (c *Cluster) Stop(i int) {

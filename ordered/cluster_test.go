@@ -1,0 +1,123 @@
+package ordered_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvmapper/kvmapper/internal/natstest"
+	"github.com/kvmapper/kvmapper/ordered"
+)
+
+// TestFenceInProcessIsNotARefusal: on a cluster, while a message checking a fence is in process
+// (its proposal not yet applied: here a leader cut off from its followers), the stream refuses
+// every other message checking the same fence at once with "wrong last sequence" (10164). That
+// refusal is not the message's: the writer must send it again once the stream can store, not
+// hand it to Redirect as refused (the lanes made such messages dead letters in UNMAPPED while
+// OUTGOING stored them too: TestNetOwnerServerInTheMinority saw 94). A message of the test's
+// own, on another subject but checking the writer's fence, is what stays in process. Every
+// message of the writer must be stored once, in order, and Redirect never called.
+func TestFenceInProcessIsNotARefusal(t *testing.T) {
+	const fence = "kvmapper.fence.OUTGOING.3"
+	c := natstest.StartCluster(t, 3)
+	admin, err := jetstream.New(c.Connect(t, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if _, err := admin.CreateStream(ctx, jetstream.StreamConfig{Name: "OUTGOING", Subjects: []string{"outgoing.>", "kvmapper.fence.>"},
+		Replicas: 3, Duplicates: 2 * time.Minute, AllowAtomicPublish: true}); err != nil {
+		t.Fatal(err)
+	}
+	own, err := admin.Publish(ctx, fence, []byte(`{"epoch":1}`), jetstream.WithExpectLastSequencePerSubject(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leader := c.WaitStreamLeader("OUTGOING", -1, 30*time.Second)
+	c.WaitStreamCurrent("OUTGOING", 30*time.Second)
+	c.CutRoutes(leader)
+	t.Cleanup(func() { c.MendRoutes(leader) })
+	// Checks of the fence from another connection to the cut-off leader, until one is refused
+	// for another in process.
+	other := c.Connect(t, leader)
+	natstest.Eventually(t, 10*time.Second, func() error {
+		m := nats.NewMsg("outgoing.other")
+		m.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(own.Sequence, 10))
+		m.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, fence)
+		a, err := other.RequestMsg(m, 200*time.Millisecond)
+		if err != nil {
+			return err // in process itself, or not yet taken
+		}
+		if !strings.Contains(string(a.Data), "10164") {
+			return fmt.Errorf("the check of the fence was answered %s, want 10164", a.Data)
+		}
+		return nil
+	})
+	d := newDriver(t, c.Connect(t, leader), []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeAtomic}},
+		ordered.Config{PublishTimeout: 500 * time.Millisecond})
+	d.w.SetFence(0, fence, own.Sequence)
+	var refused []error
+	d.hooks.Redirect = func(m *ordered.Msg) bool {
+		refused = append(refused, m.Err)
+		return true
+	}
+	inProcess := false
+	d.hooks.Round = func(first error, _ int, _ time.Duration) {
+		if !inProcess && first != nil && strings.Contains(first.Error(), "(10164)") {
+			inProcess = true // the fault struck the writer: now let the stream store again
+			c.MendRoutes(leader)
+		}
+	}
+	ms := msgs(1, 200)
+	if err := d.run(ms, 20); err != nil {
+		t.Fatalf("run = %v, want every message stored", err)
+	}
+	if !inProcess {
+		t.Fatal("no publish of the writer was refused for a fence in process: the fault struck at no moment that matters")
+	}
+	if len(refused) > 0 {
+		t.Errorf("Redirect saw %d refusals (first %v): a fence in process is not the message's refusal", len(refused), refused[0])
+	}
+	var got []string
+	for _, id := range idsOfStream(t, admin, "OUTGOING") {
+		if id != "" {
+			got = append(got, id)
+		}
+	}
+	if want := idsOf(ms); !slices.Equal(got, want) {
+		t.Fatalf("OUTGOING holds %d messages of the writer %v, want each of the %d once, in order", len(got), got, len(want))
+	}
+}
+
+// idsOfStream returns the Nats-Msg-Id of every message stream holds, in order ("" for none: the
+// fence record).
+func idsOfStream(t *testing.T, js jetstream.JetStream, stream string) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatalf("GetMsg(%s, %d): %v", stream, seq, err)
+		}
+		out = append(out, m.Header.Get("Nats-Msg-Id"))
+	}
+	return out
+}
