@@ -191,12 +191,22 @@ func (nc *netCluster) verify(total int) {
 	}
 }
 
-// resumed returns, for the devices of partitions ps, the longest time between two consecutive
-// OUTGOING messages among those stored after from, and when the first message after from was
-// stored (zero if none).
+// resumed returns the largest gap between consecutive OUTGOING messages of partitions ps whose
+// later message was stored from from on, counting only the part of each gap during which a
+// message of theirs waited in INCOMING: the generator's own pause (its connection failing over
+// from a killed server, a publish retried after its 2s timeout) says nothing of kvmapper. It also
+// returns when the first of them was stored from from on.
 func (nc *netCluster) resumed(ps []int, from time.Time) (gap time.Duration, first time.Time) {
 	nc.t.Helper()
-	var last time.Time
+	in := map[string]time.Time{} // payload → when INCOMING stored it
+	for _, s := range nc.names.IncomingStreams(nc.lay.Partitions) {
+		for _, m := range nc.env.read(s) {
+			if md, err := m.Metadata(); err == nil {
+				in[string(m.Data())] = md.Timestamp
+			}
+		}
+	}
+	var times, waiting []time.Time
 	for _, m := range nc.env.read(nc.names.Outgoing) {
 		md, err := m.Metadata()
 		if err != nil {
@@ -206,18 +216,29 @@ func (nc *netCluster) resumed(ps []int, from time.Time) (gap time.Duration, firs
 		if len(tok) != 4 || !slices.Contains(ps, subjects.Partition(tok[2], nc.lay.Partitions)) {
 			continue
 		}
-		at := md.Timestamp
+		w, ok := in[string(m.Data())]
+		if !ok {
+			w = md.Timestamp
+		}
+		times, waiting = append(times, md.Timestamp), append(waiting, w)
+	}
+	// waiting[i]: the earliest INCOMING time of the messages stored from times[i] on; everything
+	// INCOMING held before it was in OUTGOING by times[i-1].
+	for i := len(waiting) - 2; i >= 0; i-- {
+		if waiting[i+1].Before(waiting[i]) {
+			waiting[i] = waiting[i+1]
+		}
+	}
+	for i, at := range times {
 		if at.Before(from) {
-			last = at
 			continue
 		}
 		if first.IsZero() {
 			first = at
 		}
-		if !last.IsZero() {
-			gap = max(gap, at.Sub(last))
+		if i > 0 {
+			gap = max(gap, at.Sub(later(times[i-1], waiting[i])))
 		}
-		last = at
 	}
 	return gap, first
 }

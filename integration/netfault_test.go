@@ -303,12 +303,12 @@ func TestNetControlLeaderKilled(t *testing.T) {
 	}
 	gap, _ := nc.resumed(all, killed)
 	silent := nc.electedAfter(control, killed)
-	t.Logf("%s, the control bucket's leader (alone), killed: its next leader elected %v after; OUTGOING's largest gap %v",
+	t.Logf("%s, the control bucket's leader (alone), killed: its next leader elected %v after; OUTGOING's largest gap with a message waiting in INCOMING %v",
 		leader, silent.Round(time.Millisecond), gap.Round(time.Millisecond))
 	if silent <= 2*time.Second {
 		t.Errorf("the control bucket elected its next leader %v after the kill, not longer than the judged expiry (2s): the fault did not test it", silent)
 	}
 	if gap > 1500*time.Millisecond {
-		t.Errorf("OUTGOING paused %v when the control bucket's leader died, want at most 1.5s", gap)
+		t.Errorf("OUTGOING paused %v with a message waiting in INCOMING when the control bucket's leader died, want at most 1.5s", gap)
 	}
 }
