@@ -54,25 +54,7 @@ func (e *env) create(cfg jetstream.StreamConfig) {
 // ids returns the Nats-Msg-Id of every message stream holds, in order.
 func (e *env) ids(stream string) []string {
 	e.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := e.js.Stream(ctx, stream)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	var out []string
-	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
-		m, err := s.GetMsg(ctx, seq)
-		if err != nil {
-			e.t.Fatalf("GetMsg(%s, %d): %v", stream, seq, err)
-		}
-		out = append(out, m.Header.Get(nats.MsgIdHdr))
-	}
-	return out
+	return idsOfStream(e.t, e.js, stream)
 }
 
 // msgs makes n messages for OUTGOING, keys from..., ids "m-<key>", spread over 3 subjects.
