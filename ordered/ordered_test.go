@@ -220,6 +220,42 @@ func TestProbeCountsDuplicates(t *testing.T) {
 	}
 }
 
+// TestWaitingMessagesGoWhenTheBatchAnswers: what is given while a batch commits waits behind it;
+// once the sender flushed, it is committed as soon as that batch's answer comes, with no further
+// Flush from the sender (whose next one may be a tick away when nothing new arrives).
+func TestWaitingMessagesGoWhenTheBatchAnswers(t *testing.T) {
+	for _, mode := range []ordered.Mode{ordered.ModeBatch, ordered.ModeAtomic} {
+		t.Run(mode.String(), func(t *testing.T) {
+			e := newEnv(t, nil)
+			d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: mode}}, ordered.Config{})
+			ms := msgs(1, 6)
+			for _, m := range ms[:3] {
+				d.w.Send(m)
+			}
+			d.w.Flush() // the first batch commits
+			for _, m := range ms[3:] {
+				d.w.Send(m) // wait behind it
+			}
+			d.w.Flush()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			for len(d.popped) < len(ms) {
+				// Only answers and expiry: no Send, no Flush.
+				if err := d.w.Wait(ctx); err != nil {
+					t.Fatalf("%d of %d stored: %v; %s", len(d.popped), len(ms), err, d.w)
+				}
+				if d.w.Failed() {
+					t.Fatalf("the writer failed (%v) with %d of %d stored; %s", d.w.FirstErr(), len(d.popped), len(ms), d.w)
+				}
+				d.pop()
+			}
+			if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
+				t.Fatalf("OUTGOING holds %v, want %v", got, idsOf(ms))
+			}
+		})
+	}
+}
+
 // TestLostMessageIsResentInOrder: a batch message lost on the way (the server never sees it) ends
 // the batch at the hole (a fast batch) or the whole batch (an atomic one); nothing after it is
 // stored, and the round of resends stores the rest in order. (Single publishes cannot promise

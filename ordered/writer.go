@@ -679,6 +679,10 @@ func (w *Writer) next(t *target) {
 	if w.failed || t.open || t.probing != nil {
 		return
 	}
+	// What waited was given before the sender's last Flush (or since, and the sender flushes
+	// again): it is committed now, not held until the sender's next Flush, which may be a tick
+	// away when nothing new comes.
+	flushed := t.flushed
 	pending := t.pending
 	t.pending = nil
 	for i, m := range pending {
@@ -688,7 +692,8 @@ func (w *Writer) next(t *target) {
 		}
 		w.dispatch(t, m)
 	}
-	if t.flushed {
+	if flushed {
+		t.flushed = true
 		w.flushTarget(t)
 	}
 }

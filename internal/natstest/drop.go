@@ -26,8 +26,9 @@ type DropRule struct {
 	Pass, Next int
 }
 
-// Set replaces what d drops with rules; none: nothing.
-func (d *Dropper) Set(rules ...DropRule) {
+// Set replaces what d drops with rules; none: nothing. It returns how many publishes were
+// dropped before the change, so that a test switching rules can count what the new ones drop.
+func (d *Dropper) Set(rules ...DropRule) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.rules = nil
@@ -36,6 +37,7 @@ func (d *Dropper) Set(rules ...DropRule) {
 			d.rules = append(d.rules, r)
 		}
 	}
+	return d.dropped
 }
 
 // Drop starts dropping the publishes to subjects that start with prefix, and only those; ""
@@ -43,13 +45,13 @@ func (d *Dropper) Set(rules ...DropRule) {
 func (d *Dropper) Drop(prefix string) { d.Set(DropRule{Prefix: prefix}) }
 
 // DropNext drops the next n publishes to subjects that start with prefix, then stops dropping:
-// what a client sees of a stream that gets a leader back in the middle of what it sends.
-func (d *Dropper) DropNext(prefix string, n int) {
+// what a client sees of a stream that gets a leader back in the middle of what it sends. It
+// returns how many publishes were dropped before, as [Dropper.Set].
+func (d *Dropper) DropNext(prefix string, n int) int {
 	if n <= 0 {
-		d.Set()
-		return
+		return d.Set()
 	}
-	d.Set(DropRule{Prefix: prefix, Next: n})
+	return d.Set(DropRule{Prefix: prefix, Next: n})
 }
 
 // DropAfter lets the next n publishes to subjects that start with prefix through, then drops
