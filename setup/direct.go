@@ -25,7 +25,7 @@ func markMode(ctx context.Context, js jetstream.JetStream, cfg Config, line stri
 	if err != nil {
 		return "", fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
 	}
-	e, err := ctl.Get(ctx, wire.ModeKey)
+	e, err := get(ctx, ctl, wire.ModeKey)
 	marked := err == nil && wire.MarksDirect(e.Value())
 	if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ModeKey, cfg.Control, err)

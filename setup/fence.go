@@ -26,7 +26,7 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	}
 	streams := []string{cfg.Outgoing, cfg.Unmapped}
 	// PARKED only where the deployment parks (a replica of one that never did may not read it).
-	if _, err := ctl.Get(ctx, wire.ParkedKey); err == nil || cfg.Park != nil {
+	if _, err := get(ctx, ctl, wire.ParkedKey); err == nil || cfg.Park != nil {
 		streams = append(streams, cfg.Parked)
 	} else if !errors.Is(err, jetstream.ErrKeyNotFound) {
 		return "", fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ParkedKey, cfg.Control, err)
@@ -70,7 +70,7 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		return unfenced("")
 	}
 	want := strings.Join(fenced, ",")
-	if e, err := ctl.Get(ctx, wire.FenceKey); err != nil || string(e.Value()) != want {
+	if e, err := get(ctx, ctl, wire.FenceKey); err != nil || string(e.Value()) != want {
 		if _, err := ctl.PutString(ctx, wire.FenceKey, want); err != nil {
 			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", wire.FenceKey, cfg.Control, err)
 		}
@@ -95,7 +95,7 @@ func fenceOutput(c *jetstream.StreamConfig) {
 // ReadFences returns the output streams the control bucket records as fenced ([wire.FenceKey]),
 // nil when it records none.
 func ReadFences(ctx context.Context, ctl jetstream.KeyValue) ([]string, error) {
-	e, err := ctl.Get(ctx, wire.FenceKey)
+	e, err := get(ctx, ctl, wire.FenceKey)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
 		return nil, nil

@@ -157,7 +157,7 @@ func readLayout(ctx context.Context, js jetstream.JetStream, bucket string) (sub
 	if err != nil {
 		return "", fmt.Errorf("setup: opening bucket %s: %w", bucket, err)
 	}
-	e, err := ctl.Get(ctx, wire.LayoutKey)
+	e, err := get(ctx, ctl, wire.LayoutKey)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return "", nil
 	}
@@ -179,7 +179,7 @@ func markedDirect(ctx context.Context, js jetstream.JetStream, bucket string) bo
 	if err != nil {
 		return false
 	}
-	e, err := ctl.Get(ctx, wire.ModeKey)
+	e, err := get(ctx, ctl, wire.ModeKey)
 	return err == nil && wire.MarksDirect(e.Value())
 }
 
@@ -228,7 +228,7 @@ func recordLayout(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	}
 	want := cfg.StreamLayout
 	readers := "every command with --layout auto (the default) reads it"
-	e, err := ctl.Get(ctx, wire.LayoutKey)
+	e, err := get(ctx, ctl, wire.LayoutKey)
 	switch {
 	case err == nil && string(e.Value()) == string(want):
 		return fmt.Sprintf("layout %s, as recorded in bucket %s (key %s): %s", want, cfg.Control, wire.LayoutKey, readers), nil

@@ -133,7 +133,7 @@ func markParking(ctx context.Context, js jetstream.JetStream, cfg Config) error 
 	if err != nil {
 		return fmt.Errorf("setup: opening bucket %s: %w", cfg.Control, err)
 	}
-	if e, err := ctl.Get(ctx, wire.ParkedKey); err == nil && string(e.Value()) == cfg.Parked {
+	if e, err := get(ctx, ctl, wire.ParkedKey); err == nil && string(e.Value()) == cfg.Parked {
 		return nil
 	} else if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		return fmt.Errorf("setup: reading %s in bucket %s: %w", wire.ParkedKey, cfg.Control, err)

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/subjects"
@@ -439,4 +440,24 @@ func Apply(ctx context.Context, js jetstream.JetStream, cfg Config, w io.Writer)
 		fmt.Fprintf(w, "\n%s.\n\n%s", choice.Faster, MappingConfig(cfg.Layout))
 	}
 	return err
+}
+
+// get reads key from kv, waiting out "no responders" for up to 10 s: a bucket just created on a
+// cluster can have its leader while no replica answers direct gets yet (seen: setup on a new
+// 3-node cluster, "reading mode in bucket kvmapper: nats: no responders available for request").
+func get(ctx context.Context, kv jetstream.KeyValue, key string) (jetstream.KeyValueEntry, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		e, err := kv.Get(ctx, key)
+		if !errors.Is(err, nats.ErrNoResponders) || time.Now().After(deadline) {
+			return e, err
+		}
+		t := time.NewTimer(50 * time.Millisecond)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, err
+		}
+	}
 }
