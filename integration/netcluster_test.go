@@ -140,11 +140,15 @@ func (nc *netCluster) leases() []string {
 }
 
 // owners returns every partition's owner, "" for none, without failing on an unreadable lease.
-func (nc *netCluster) owners() []string {
+func (nc *netCluster) owners() []string { return nc.ownersVia(nc.admin) }
+
+// ownersVia is owners read through js: a connection to one server chosen by the test (the
+// admin connection is to any of the three, which may be on the minority side of a fault).
+func (nc *netCluster) ownersVia(js jetstream.JetStream) []string {
 	out := make([]string, nc.lay.Partitions)
 	for p := range out {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		m, err := kvcas.Latest(ctx, nc.admin, nc.names.Control, wire.LeaseKey(p))
+		m, err := kvcas.Latest(ctx, js, nc.names.Control, wire.LeaseKey(p))
 		cancel()
 		if err == nil && !kvcas.Deleted(m) {
 			out[p] = string(m.Data)
