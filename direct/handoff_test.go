@@ -239,3 +239,60 @@ func TestNewerOwnerFencesAZombie(t *testing.T) {
 }
 
 func partOf(dev string) int { return subjectsPartition(dev) }
+
+// A partition released while it is still taking over from its previous owner (a rebalance that
+// moves it on again at once: a replica joining right after another) finishes taking over, then
+// hands over to its next owner: what it held while it waited for the previous owner's answer,
+// which the previous owner left to it, reaches OUTGOING, and so does everything after. The old
+// owner's answer is held (in its Revision) until the joining owner has been released.
+func TestReleasedWhileJoiningHandsOver(t *testing.T) {
+	eachReceive(t, func(t *testing.T, f *fixture) {
+		part := 5
+		devs := devicesOf(part, 8)
+		for _, d := range devs {
+			f.groups.set(d, "group-a")
+		}
+		var hold atomic.Bool
+		answering, proceed := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		a := f.pool("a", nil, func(c *direct.Config) {
+			c.Revision = func() uint64 {
+				if hold.Load() {
+					once.Do(func() { close(answering) })
+					<-proceed
+				}
+				return 1
+			}
+			c.CatchUp = func(context.Context) error { return nil }
+		})
+		var proceedOnce sync.Once
+		release := func() { proceedOnce.Do(func() { close(proceed) }) }
+		t.Cleanup(release) // before a's Close, which waits for its lane
+		b, c := f.pool("b", nil, nil), f.pool("c", nil, nil)
+		ra := f.run(a, direct.Assignment{Partition: part, Epoch: 1})
+		pubs := f.startPublishers(devs)
+		pubs.waitSent(100)
+		hold.Store(true)
+		ra.release(t)
+		asgB := direct.Assignment{Partition: part, Epoch: 2}
+		rb := f.start(b, asgB)
+		select {
+		case <-answering: // a has stopped receiving the partition: b holds what comes
+		case <-time.After(10 * time.Second):
+			t.Fatal("the old owner did not answer the new owner's announcement")
+		}
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if n := b.Stats().Pending; n == 0 {
+				return errors.New("the joining owner holds nothing yet")
+			}
+			return nil
+		})
+		rb.cancel(errors.New("released")) // while b waits for a's answer
+		release()
+		rb.release(t)
+		f.run(c, direct.Assignment{Partition: part, Epoch: 3})
+		pubs.waitSent(100)
+		sent := pubs.halt()
+		inOrder(t, f.stream("OUTGOING"), sent)
+	})
+}

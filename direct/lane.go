@@ -112,15 +112,19 @@ func (l *lane) valid() bool { return l.a.Valid == nil || l.a.Valid() }
 func (l *lane) run(ctx context.Context) {
 	defer l.detach(nil)
 	defer l.unsubscribe()
-	if err := l.join(ctx); err != nil {
-		if ctx.Err() != nil {
-			err = nil // released or fenced before it served
+	jctx, endJoin := l.joinContext(ctx)
+	err := l.join(jctx)
+	ended := jctx.Err() != nil // read before endJoin, which ends jctx
+	endJoin()
+	if err != nil {
+		if ended {
+			err = nil // fenced before it served, or released and the join did not end in time
 		}
 		l.stop(err)
 		return
 	}
 	l.live.Store(true)
-	err := l.serve(ctx)
+	err = l.serve(ctx)
 	l.live.Store(false)
 	if !errors.Is(err, errReleased) {
 		l.stop(err)
@@ -130,6 +134,42 @@ func (l *lane) run(ctx context.Context) {
 	defer l.p.lingering.Add(-1)
 	l.detach(nil)
 	l.linger()
+}
+
+// joinContext returns the context a lane joins under: ctx, except that a release (an end of ctx
+// whose cause is not ErrFenced) ends it only HandoffTimeout later. A lane released while it joins
+// has subscribed and announced itself: its previous owner hands over to it and stops forwarding,
+// and what arrives meanwhile waits in its queue. Stopping then would leave those messages, and
+// every one until the next owner subscribes, with no forward and no PubAck; so the lane finishes
+// joining, serves, and hands over to its next owner as a released lane does (the lease is held
+// until Run returns). end releases the context's resources.
+func (l *lane) joinContext(ctx context.Context) (jctx context.Context, end func()) {
+	jctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	var mu sync.Mutex
+	var late *time.Timer
+	ended := false
+	stop := context.AfterFunc(ctx, func() {
+		cause := context.Cause(ctx)
+		if errors.Is(cause, ErrFenced) {
+			cancel(cause)
+			return
+		}
+		mu.Lock()
+		if !ended {
+			late = time.AfterFunc(l.p.cfg.HandoffTimeout, func() { cancel(cause) })
+		}
+		mu.Unlock()
+	})
+	return jctx, func() {
+		stop()
+		mu.Lock()
+		ended = true
+		if late != nil {
+			late.Stop()
+		}
+		mu.Unlock()
+		cancel(nil)
+	}
 }
 
 // stop ends the lane without a handoff: Run returns err once the server has dropped the lane's

@@ -128,7 +128,9 @@ func New(nc *nats.Conn, lookup LookupFunc, cfg Config) (*Pool, error) {
 // takes the partition over from its previous owner, if one is still forwarding it (see [Pool]).
 // When ctx ends with a cause wrapping [ErrFenced] the partition stops at once; any other end of
 // ctx is a release: Run returns at once and the partition goes on forwarding, on a goroutine of
-// the pool, until its next owner has taken it over or HandoffTimeout has passed. Run returns nil
+// the pool, until its next owner has taken it over or HandoffTimeout has passed. A partition
+// released while it is still taking over first finishes that (for up to HandoffTimeout more),
+// so that Run returns only once the partition forwards what its previous owner left to it. Run returns nil
 // when ctx ended it, [ErrFenced] when it found itself deposed, [ErrClosed] after Close, or an
 // error subscribing.
 func (p *Pool) Run(ctx context.Context, a Assignment) error {
