@@ -435,19 +435,30 @@ func (e *clusterEnv) count(stream string) uint64 {
 }
 
 // read returns every message stream holds now, in order. A read that fails (the cluster may
-// still be settling after a restart) is started again, for up to a minute.
+// still be settling after a restart) is started again, for up to three minutes; on an in-process
+// cluster each try after the first goes through a new connection to the next node in turn.
+// (CI saw the admin connection's ordered consumer refused creation for a minute after the sixth
+// restart of TestClusterRidesThroughNodeLoss, while the lanes had mapped everything.)
 func (e *clusterEnv) read(stream string) []jetstream.Msg {
 	e.t.Helper()
 	var out []jetstream.Msg
-	natstest.Eventually(e.t, time.Minute, func() error {
+	js, try := e.admin, 0
+	natstest.Eventually(e.t, 3*time.Minute, func() error {
 		var err error
-		out, err = e.readOnce(stream)
-		return err
+		if out, err = e.readOnce(js, stream); err == nil || e.c == nil {
+			return err
+		}
+		try++
+		node := try % e.c.Size()
+		if js, err = jetstream.New(e.c.Connect(e.t, node)); err != nil {
+			return err
+		}
+		return fmt.Errorf("%w (next try through %s; meta leader %d)", err, e.c.Name(node), e.c.MetaLeader())
 	})
 	return out
 }
 
-func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
+func (e *clusterEnv) readOnce(js jetstream.JetStream, stream string) ([]jetstream.Msg, error) {
 	n := int(e.count(stream))
 	if n == 0 {
 		return nil, nil
@@ -455,7 +466,7 @@ func (e *clusterEnv) readOnce(stream string) ([]jetstream.Msg, error) {
 	records := int(e.total(stream)) - n
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cons, err := e.admin.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
+	cons, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
 	if err != nil {
 		return nil, fmt.Errorf("reading %s: %w", stream, err)
 	}
