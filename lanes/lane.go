@@ -234,6 +234,12 @@ func (l *lane) run(ctx context.Context) error {
 		if l.w.Failed() {
 			if err := l.recover(ctx); err != nil {
 				stopReading()
+				if ctx.Err() != nil {
+					// The caller ended the lane during the round: a lost lease (cause ErrFenced)
+					// stops the round at once, which recover reports as fenced, but the caller
+					// asked for it, and its cause decides the drain.
+					return l.stopped(ctx)
+				}
 				return l.stop(err)
 			}
 			if ctx.Err() != nil {
