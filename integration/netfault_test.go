@@ -126,7 +126,7 @@ func TestNetOwnerServerInTheMinority(t *testing.T) {
 	nc.lab.block(s2, nc.servers[0])
 	nc.lab.block(s2, nc.servers[1])
 	cut := time.Now()
-	<-time.After(10 * time.Second) // the shortest cut: the partition the run had
+	<-time.After(10 * time.Second) // the shortest cut: the one docs/cluster.md's figures were taken with
 	natstest.Eventually(t, 40*time.Second, func() error {
 		owners := nc.ownersVia(js0)
 		for _, p := range ps {
