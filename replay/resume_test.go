@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -59,21 +60,42 @@ func (f *fixture) watchRecords() *recordWatch {
 	return rw
 }
 
-// pick returns a recorded value whose single source is done between lo and hi.
+// pick returns a recorded value whose single source is done between lo and hi. The watch
+// delivers after the run has returned, so it first waits for the run's complete record; the
+// records' spacing depends on how fast the machine saves, so on failure it lists what it saw.
 func (rw *recordWatch) pick(t *testing.T, lo, hi uint64) []byte {
 	t.Helper()
-	rw.mu.Lock()
-	defer rw.mu.Unlock()
-	for _, v := range rw.values {
-		var r progressRecord
-		if err := json.Unmarshal(v, &r); err != nil {
-			t.Fatal(err)
+	var dones []uint64
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rw.mu.Lock()
+		values := slices.Clone(rw.values)
+		rw.mu.Unlock()
+		dones = dones[:0]
+		complete := false
+		for _, v := range values {
+			var r progressRecord
+			if err := json.Unmarshal(v, &r); err != nil {
+				t.Fatal(err)
+			}
+			if len(r.Sources) != 1 {
+				continue
+			}
+			if r.Complete {
+				complete = true
+				continue
+			}
+			if d := r.Sources[0].Done; d >= lo && d <= hi {
+				return v
+			}
+			dones = append(dones, r.Sources[0].Done)
 		}
-		if len(r.Sources) == 1 && !r.Complete && r.Sources[0].Done >= lo && r.Sources[0].Done <= hi {
-			return v
+		if complete || time.Now().After(deadline) {
+			break
 		}
+		time.Sleep(10 * time.Millisecond) // polling the watch's collection to a deadline
 	}
-	t.Fatalf("no progress record done between %d and %d among %d", lo, hi, len(rw.values))
+	t.Fatalf("no progress record done between %d and %d; the records were done at %v", lo, hi, dones)
 	return nil
 }
 
@@ -113,7 +135,7 @@ func TestResumeAfterACrashStoresNothingTwice(t *testing.T) {
 	ctx := context.Background()
 	// Back to a record written early on: as if the process had been killed just after it, with
 	// everything up to 1600 already stored.
-	if _, err := f.ctl.Put(ctx, key, records.pick(t, 200, 600)); err != nil {
+	if _, err := f.ctl.Put(ctx, key, records.pick(t, 100, 900)); err != nil {
 		t.Fatal(err)
 	}
 
