@@ -200,6 +200,38 @@ func (e *clusterEnv) leases() []string {
 // sameOwners fails the test when a partition changed owner, or was claimed again, since before.
 func (e *clusterEnv) sameOwners(fault string, before []string) {
 	e.t.Helper()
+	if moved := e.moved(before); len(moved) > 0 {
+		e.t.Errorf("%s: %d partitions changed owner or were claimed again (owner@epoch): %s", fault, len(moved), strings.Join(moved, "; "))
+	}
+}
+
+// slowElection is an election of the control bucket longer than nats-server's timers make
+// likely (a follower campaigns after hearing nothing for 4–9s): past it the leases' clock may run
+// out (15s TTL, less its 1s margin, from a renewal up to 3.75s before the kill).
+const slowElection = 10 * time.Second
+
+// stableOwners waits for the partitions to settle after they were claimed again (the replicas
+// hand back what is over their quota) and returns their leases once two reads, ten seconds of
+// load apart (2.7 renew intervals), agree.
+func (e *clusterEnv) stableOwners() []string {
+	e.t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		before := e.leases()
+		e.flows(10 * faultRate)
+		after := e.leases()
+		if slices.Equal(before, after) {
+			return after
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("partitions still changing owner 2 minutes after they were claimed again: %v → %v", before, after)
+		}
+	}
+}
+
+// moved lists the partitions whose lease is not the one before names (owner@epoch).
+func (e *clusterEnv) moved(before []string) []string {
+	e.t.Helper()
 	after := e.leases()
 	var moved []string
 	for p := range partitions {
@@ -207,9 +239,7 @@ func (e *clusterEnv) sameOwners(fault string, before []string) {
 			moved = append(moved, fmt.Sprintf("%d: %s → %s", p, before[p], after[p]))
 		}
 	}
-	if len(moved) > 0 {
-		e.t.Errorf("%s: %d partitions changed owner or were claimed again (owner@epoch): %s", fault, len(moved), strings.Join(moved, "; "))
-	}
+	return moved
 }
 
 // leader returns the node leading stream, waiting for one.

@@ -61,7 +61,9 @@ func (e *clusterEnv) newGenerator(devices []string, rate int) *generator {
 //     groups bucket's;
 //   - a kill of the control bucket's leader alone (every other stream, and the meta group, led
 //     elsewhere) at 1,000 msgs/s: no partition may change owner, and OUTGOING may not pause (at
-//     most 3s between two messages under -race on a loaded machine);
+//     most 3s between two messages under -race on a loaded machine) — unless the election
+//     outlasts nats-server's timers (over 10s, the documented limit): then every partition is
+//     claimed again and mapping must resume within 10s of the new leader;
 //   - a kill of OUTGOING's leader (mapping resumes within 2.5s of the new leader's election), of
 //     INCOMING's, of the groups bucket's (a device moves to another group after it) and of
 //     UNMAPPED's (four devices of the load have no group: their messages are dead letters), each
@@ -130,13 +132,27 @@ func TestClusterRidesThroughNodeLoss(t *testing.T) {
 	if m := e.c.MetaLeader(); m == ctlNode {
 		t.Fatalf("%s leads the meta group: the kill would not be of the control bucket's leader alone", e.c.Name(m))
 	}
-	killed, _ := e.killAndElect(ctlNode, control)
+	killed, elected := e.killAndElect(ctlNode, control)
 	e.flows(uint64(2 * rate)) // two seconds of load after the election
-	e.sameOwners("control bucket's leader killed", owners)
 	// The target is 1.5s at most (docs/cluster.md, measured without the race detector); the bound is wide
 	// for -race on a loaded machine, and still half the pause a lease TTL below the election
 	// time causes (every partition stops and moves: 6.6s measured here with 2s).
-	windows = append(windows, window{name: fmt.Sprintf("control bucket's leader killed alone, %d msgs/s", rate), from: killed, to: time.Now(), maxGap: 3 * time.Second})
+	w := window{name: fmt.Sprintf("control bucket's leader killed alone, %d msgs/s", rate), from: killed, maxGap: 3 * time.Second}
+	if moved := e.moved(owners); len(moved) > 0 && elected.Sub(killed) > slowElection {
+		// Not the fault under test but the limit docs/cluster.md names ("An election longer
+		// than about 14 s expires the leases"): nats-server's election timers are 4–9s, and a
+		// split vote on a loaded machine took 15.4s once in a README run. Then every partition
+		// stops and is claimed again once the bucket is back: mapping must resume soon after
+		// the new leader, and nothing be lost, duplicated or reordered (e.check).
+		t.Logf("the control bucket's election took %v, past the leases' clock: %d partitions claimed again (%s)",
+			elected.Sub(killed).Round(time.Millisecond), len(moved), strings.Join(moved, "; "))
+		w.maxGap, w.elected, w.maxResume = 0, elected, 10*time.Second
+		owners = e.stableOwners()
+	} else {
+		e.sameOwners("control bucket's leader killed", owners)
+	}
+	w.to = time.Now()
+	windows = append(windows, w)
 	gen.setRate(faultRate)
 	e.restart(ctlNode)
 
