@@ -72,7 +72,7 @@ func TestRun(t *testing.T) {
 	if l == nil {
 		t.Fatal("Run().Latency = nil")
 	}
-	for name, r := range map[string]bench.LatencyRun{"direct": l.Direct, "kvmapper": l.KVMapper} {
+	for name, r := range map[string]bench.LatencyRun{"direct": l.Direct, "relay": l.Relay, "kvmapper": l.KVMapper} {
 		if r.Sent == 0 || r.Received != r.Sent {
 			t.Errorf("%s: Sent, Received = %d, %d; want equal and > 0", name, r.Sent, r.Received)
 		}

@@ -329,11 +329,16 @@ func (e *env) relayAsync(ctx context.Context) (Contender, error) {
 		if err != nil {
 			return err
 		}
-		return e.relay(ctx, js, func(m *nats.Msg) error {
-			_, err := js.PublishMsgAsync(m, stall...)
-			return err
-		})
+		return e.relay(ctx, js, asyncWrite(js))
 	})
+}
+
+// asyncWrite is [RelayAsync]'s write: an async publish, waiting while the window is full.
+func asyncWrite(js jetstream.JetStream) func(*nats.Msg) error {
+	return func(m *nats.Msg) error {
+		_, err := js.PublishMsgAsync(m, stall...)
+		return err
+	}
 }
 
 // relayCeiling is [RelayCeiling]: the consumers hand their messages to one writer goroutine,

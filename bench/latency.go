@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -55,10 +56,16 @@ type LatencyResult struct {
 	Warmup   Seconds `json:"warmup_s"`
 	// Direct: publishing straight into OUTGOING, received by a core subscription on outgoing.>.
 	Direct LatencyRun `json:"direct"`
+	// Relay: publishing into INCOMING, through a relay that maps as a user would and keeps none
+	// of kvmapper's bookkeeping ([RelayAsync]), received the same way: what one consume-and-
+	// republish hop costs on this machine, whoever makes it.
+	Relay LatencyRun `json:"relay"`
 	// KVMapper: publishing into INCOMING, through kvmapper, received the same way.
 	KVMapper LatencyRun `json:"kvmapper"`
 	// Added is KVMapper's latency minus Direct's, percentile by percentile.
 	Added Percentiles `json:"added"`
+	// RelayAdded is Relay's latency minus Direct's: the floor under Added.
+	RelayAdded Percentiles `json:"relay_added"`
 }
 
 func (e *env) latency(ctx context.Context) (*LatencyResult, error) {
@@ -78,11 +85,18 @@ func (e *env) latency(ctx context.Context) (*LatencyResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := e.js.Stream(ctx, names.Outgoing)
-	if err != nil {
+	incoming := func(i int) string { return "incoming." + e.devices[i] + "." + event }
+	if err := e.purgeOutgoing(ctx, names); err != nil {
 		return nil, err
 	}
-	if err := s.Purge(ctx); err != nil {
+	if res.Relay, err = e.measureRelay(ctx, incoming); err != nil {
+		return nil, err
+	}
+	// kvmapper starts from the beginning of INCOMING, after what the relay read.
+	if err := e.purgeIncoming(ctx); err != nil {
+		return nil, err
+	}
+	if err := e.purgeOutgoing(ctx, names); err != nil {
 		return nil, err
 	}
 	m, err := e.startMappers(ctx, names, e.cfg.Replicas)
@@ -93,7 +107,7 @@ func (e *env) latency(ctx context.Context) (*LatencyResult, error) {
 		_ = m.stop()
 		return nil, err
 	}
-	res.KVMapper, err = e.measure(ctx, "latency, through kvmapper", func(i int) string { return "incoming." + e.devices[i] + "." + event })
+	res.KVMapper, err = e.measure(ctx, "latency, through kvmapper", incoming)
 	if serr := m.stop(); err == nil {
 		err = serr
 	}
@@ -101,7 +115,41 @@ func (e *env) latency(ctx context.Context) (*LatencyResult, error) {
 		return nil, err
 	}
 	res.Added = res.KVMapper.Latency.minus(res.Direct.Latency)
+	res.RelayAdded = res.Relay.Latency.minus(res.Direct.Latency)
 	return res, e.dropRun(ctx, names)
+}
+
+// purgeOutgoing empties the run's OUTGOING between two paths.
+func (e *env) purgeOutgoing(ctx context.Context, names Names) error {
+	s, err := e.js.Stream(ctx, names.Outgoing)
+	if err != nil {
+		return err
+	}
+	return s.Purge(ctx)
+}
+
+// measureRelay times the path through a [RelayAsync] relay into the run's OUTGOING.
+func (e *env) measureRelay(ctx context.Context, subject func(i int) string) (LatencyRun, error) {
+	nc, err := nats.Connect(e.cfg.URL, nats.Name("kvmapper bench relay"))
+	if err != nil {
+		return LatencyRun{}, err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(relayWindow))
+	if err != nil {
+		return LatencyRun{}, err
+	}
+	rctx, stop := context.WithCancel(ctx)
+	errc := make(chan error, 1)
+	go func() {
+		errc <- e.relay(rctx, js, asyncWrite(js))
+	}()
+	run, err := e.measure(ctx, "latency, through a relay", subject)
+	stop()
+	if rerr := <-errc; err == nil && rerr != nil && !errors.Is(rerr, context.Canceled) {
+		err = fmt.Errorf("latency, through a relay: %w", rerr)
+	}
+	return run, err
 }
 
 // warmup is the first part of a latency run, whose samples are left out: consumers start, caches

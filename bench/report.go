@@ -80,9 +80,14 @@ func (r *Report) WriteText(w io.Writer) error {
 			p("%s\t%d\t%d\t%.0f\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f", name, run.Sent, run.Received, run.Rate, q.P50, q.P90, q.P99, q.P999, q.Max)
 		}
 		row("straight into OUTGOING", l.Direct)
+		row("through a bare relay", l.Relay)
 		row("through kvmapper", l.KVMapper)
+		added := func(name string, a Percentiles) {
+			p("%s\t\t\t\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f", name, a.P50, a.P90, a.P99, a.P999, a.Max)
+		}
+		added("added by the relay", l.RelayAdded)
+		added("added by kvmapper", l.Added)
 		a := l.Added
-		p("added by kvmapper\t\t\t\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f", a.P50, a.P90, a.P99, a.P999, a.Max)
 		p("targets: added p50 ≤ %.1f ms: %s; added p99 ≤ %.0f ms: %s", Targets.AddedP50, mark(a.P50 <= Targets.AddedP50), Targets.AddedP99, mark(a.P99 <= Targets.AddedP99))
 	}
 	if c := r.Mapping; c != nil {
