@@ -200,7 +200,7 @@ func Run(ctx context.Context, js jetstream.JetStream, cfg Config) (*Report, erro
 		}
 	}
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("audit: stopped while waiting for %d missing messages: %w", a.missing.Load(), err)
 	}
 	parked, err := a.readParked(ctx, js)
 	if err != nil {

@@ -125,7 +125,10 @@ func (r *reader) catchUp(ctx context.Context) error {
 		}
 		if err != nil {
 			if ctx.Err() != nil {
-				return ctx.Err()
+				// Say how far it got: a read that stalls (a server that cannot deliver, after a
+				// network fault) is then told from one that was merely slow.
+				return fmt.Errorf("audit: reading stream %s: %d messages read, up to sequence %d of %d: %w",
+					r.name, r.read, r.lastSeq, r.startLast, ctx.Err())
 			}
 			return fmt.Errorf("audit: reading stream %s: %w", r.name, err)
 		}
