@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -65,35 +66,32 @@ func (f *fixture) watchRecords() *recordWatch {
 // records' spacing depends on how fast the machine saves, so on failure it lists what it saw.
 func (rw *recordWatch) pick(t *testing.T, lo, hi uint64) []byte {
 	t.Helper()
-	var dones []uint64
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	var records []progressRecord
+	var values [][]byte
+	natstest.Eventually(t, 10*time.Second, func() error {
 		rw.mu.Lock()
-		values := slices.Clone(rw.values)
+		values = slices.Clone(rw.values)
 		rw.mu.Unlock()
-		dones = dones[:0]
-		complete := false
-		for _, v := range values {
-			var r progressRecord
-			if err := json.Unmarshal(v, &r); err != nil {
+		records = make([]progressRecord, len(values))
+		for i, v := range values {
+			if err := json.Unmarshal(v, &records[i]); err != nil {
 				t.Fatal(err)
 			}
-			if len(r.Sources) != 1 {
-				continue
-			}
-			if r.Complete {
-				complete = true
-				continue
-			}
-			if d := r.Sources[0].Done; d >= lo && d <= hi {
-				return v
-			}
-			dones = append(dones, r.Sources[0].Done)
 		}
-		if complete || time.Now().After(deadline) {
-			break
+		if !slices.ContainsFunc(records, func(r progressRecord) bool { return r.Complete }) {
+			return fmt.Errorf("the run's complete record is not among the %d seen", len(values))
 		}
-		time.Sleep(10 * time.Millisecond) // polling the watch's collection to a deadline
+		return nil
+	})
+	var dones []uint64
+	for i, r := range records {
+		if len(r.Sources) != 1 || r.Complete {
+			continue
+		}
+		if d := r.Sources[0].Done; d >= lo && d <= hi {
+			return values[i]
+		}
+		dones = append(dones, r.Sources[0].Done)
 	}
 	t.Fatalf("no progress record done between %d and %d; the records were done at %v", lo, hi, dones)
 	return nil
