@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
+	"github.com/kvmapper/kvmapper/internal/ratelog"
 	"github.com/kvmapper/kvmapper/wire"
 )
 
@@ -57,7 +58,13 @@ type Elector struct {
 	exits    chan exit     // holders report here; capacity Partitions
 	stopping chan struct{} // closed by Run when it starts shutting down
 	owned    atomic.Pointer[[]int]
-	running  atomic.Bool
+	// stalls counts the watches replaced because they stopped showing this replica's own
+	// writes ([Elector.ownWriteAcked]); stallLog keeps a lasting stall to a line a minute.
+	stalls   atomic.Int64
+	stallLog ratelog.Limiter
+	// watchFails counts the watches that could not be created in a row; the watch goroutine's.
+	watchFails int
+	running    atomic.Bool
 	// goroutines are the watch and the holders' Work runs that Run started; Run waits for them.
 	goroutines sync.WaitGroup
 
@@ -114,10 +121,16 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		failures:      make(map[int]int),
 		cooldown:      make(map[int]time.Time),
 		unanswered:    make(map[int]unanswered),
+		stallLog:      ratelog.Limiter{Every: time.Minute},
 	}
 	e.owned.Store(&[]int{})
 	return e, nil
 }
+
+// WatchStalls returns how many times this replica replaced its control bucket watch because the
+// bucket stored its own writes and the watch did not show them (its consumer cut off from the
+// bucket's leader). It is safe for concurrent use.
+func (e *Elector) WatchStalls() int64 { return e.stalls.Load() }
 
 // Owned returns the sorted partitions this replica currently holds a lease for, including ones
 // being handed over whose Work has not returned yet. The caller may modify the slice. It is
@@ -572,8 +585,12 @@ func (e *Elector) putMember(ctx context.Context) error {
 	heard := e.view.own.last.stored
 	e.view.mu.Unlock()
 	msg.Data = wire.MemberValue(e.cfg.ReplicaID, heard)
-	_, err := e.js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(e.cfg.MemberTTL))
-	return err
+	ack, err := e.js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(e.cfg.MemberTTL))
+	if err != nil {
+		return err
+	}
+	e.ownWriteAcked(ack.Sequence)
+	return nil
 }
 
 // leave deletes the member key; run after the heartbeat has stopped.

@@ -225,6 +225,7 @@ func (h *holder) renew() error {
 		return err
 	}
 	h.rev, h.pending = ack.Sequence, false
+	e.ownWriteAcked(ack.Sequence)
 	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
 	e.log.Debug().Int("partition", l.Partition).Uint64("revision", ack.Sequence).Msg("lease renewed")
 	return nil

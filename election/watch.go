@@ -2,6 +2,7 @@ package election
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -90,6 +91,27 @@ type view struct {
 	members map[string]heard // the live members, and when each last wrote its key
 	slots   []slot
 	own     writable // this replica's own writes, as the watch showed them
+	// rev is the highest revision the current watch has delivered; unseen is the lowest
+	// revision of this replica's own writes that the bucket acknowledged above it, and
+	// unseenSince when that acknowledgement came: a watch that goes on not showing it has
+	// stopped delivering (see [Elector.ownWriteAcked]).
+	rev         uint64
+	unseen      uint64
+	unseenSince time.Time
+	// live is set while a watch runs that has not been found stalled: a new one takes a
+	// while to create (a consumer assigned through the meta leader), during which nothing it
+	// could show may count against it.
+	live bool
+}
+
+// delivered records that the watch showed revision rev.
+func (v *view) delivered(rev uint64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.rev = max(v.rev, rev)
+	if v.unseen != 0 && v.rev >= v.unseen {
+		v.unseen = 0
+	}
 }
 
 // reset forgets what a new watch replays from scratch. A partition stays free since when it
@@ -99,6 +121,7 @@ func (v *view) reset(partitions int, now time.Time) {
 	defer v.mu.Unlock()
 	v.ready = false
 	v.members = make(map[string]heard)
+	v.rev, v.unseen, v.live = 0, 0, true
 	// A new watch replays the bucket: what it shows of this replica's writes is not a run.
 	v.own = writable{}
 	old := v.slots
@@ -143,6 +166,44 @@ func (e *Elector) watch(ctx context.Context) {
 	}
 }
 
+// startWatch creates the watch, giving up after an ownGap; after three attempts in a row that
+// failed, after an ownGap doubled for each further one (up to 8 ownGaps), so that a cluster
+// slow to create consumers still gets a watch. Creating it creates a consumer, which the servers may place on a
+// server that cannot answer (the one cut off from the bucket's leader, which made the last
+// watch stall): the request would wait out its whole timeout (5 s) before the next attempt is
+// placed again. Giving up cancels wctx, which ends the creation or, had it just succeeded,
+// the watch it made.
+func (e *Elector) startWatch(wctx context.Context) (jetstream.KeyWatcher, error) {
+	type made struct {
+		w   jetstream.KeyWatcher
+		err error
+	}
+	got := make(chan made)
+	e.goroutines.Go(func() {
+		w, err := e.kv.WatchFiltered(wctx, []string{wire.LeaseFilter, wire.MemberFilter})
+		select {
+		case got <- made{w, err}:
+		case <-wctx.Done():
+			if w != nil {
+				_ = w.Stop()
+				for range w.Updates() {
+				}
+			}
+		}
+	})
+	limit := e.ownGap() << min(max(e.watchFails-2, 0), 3)
+	t := time.NewTimer(limit)
+	defer t.Stop()
+	select {
+	case m := <-got:
+		return m.w, m.err
+	case <-t.C:
+		return nil, fmt.Errorf("no answer in %v to creating the watch's consumer", limit)
+	case <-wctx.Done():
+		return nil, wctx.Err()
+	}
+}
+
 // watchOnce runs one KV watch until its Updates channel closes or a resync is asked for, in
 // which case it reports true.
 func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
@@ -150,12 +211,19 @@ func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
 	// attempt gets its own.
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	w, err := e.kv.WatchFiltered(wctx, []string{wire.LeaseFilter, wire.MemberFilter})
+	w, err := e.startWatch(wctx)
 	if err != nil {
+		e.watchFails++
 		e.log.Warn().Err(err).Msg("watching the control bucket failed; retrying")
 		return false
 	}
+	e.watchFails = 0
 	e.view.reset(e.cfg.Partitions, time.Now())
+	// A resync asked for while this watch was being created is what creating it did.
+	select {
+	case <-e.resync:
+	default:
+	}
 	for {
 		select {
 		case ent, ok := <-w.Updates():
@@ -175,19 +243,64 @@ func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
 			e.apply(ent)
 		case <-e.resync:
 			e.log.Debug().Msg("resynchronising the control bucket watch")
-			_ = w.Stop()
-			// The subscription's callback may be blocked sending to Updates; drain until
-			// its close handler closes the channel so that its goroutine can exit.
-			for range w.Updates() {
-			}
+			// Stopping deletes the watch's consumer, which waits for the server holding it:
+			// up to the request timeout when that server is cut off (the stalled watch
+			// ownWriteAcked replaces). The new watch starts at once; the old one is stopped
+			// beside it. The subscription's callback may be blocked sending to Updates: drain
+			// until its close handler closes the channel so that its goroutine can exit.
+			e.goroutines.Go(func() {
+				_ = w.Stop()
+				for range w.Updates() {
+				}
+			})
 			return true
 		}
+	}
+}
+
+// ownWriteAcked notes that the bucket stored one of this replica's own watched writes (a lease
+// renewal, a member heartbeat) at revision rev, and asks for a new watch when one it stored
+// more than [Elector.ownGap] ago has still not come back on the watch.
+//
+// The watch is an R1 consumer, which the servers place on any replica of the bucket's stream,
+// not only its leader. When that server loses its route to the leader (the others still
+// committing without it), the watch stops delivering: its server's copy of the stream takes no
+// new writes, or its deliveries cannot reach this replica. Its writes still succeed, so
+// nothing else notices, but the watch shows none of them: no writable time is counted, and a
+// silent owner is never judged dead (seen: a lost route kept every takeover waiting for the
+// lease TTL, tries in a row). A new watch is a new consumer, placed again; a replica whose
+// own writes stop being acknowledged is not asking for one (it has nothing to compare with).
+func (e *Elector) ownWriteAcked(rev uint64) {
+	now := time.Now()
+	v := &e.view
+	v.mu.Lock()
+	if v.live && rev > v.rev && v.unseen == 0 {
+		v.unseen, v.unseenSince = rev, now
+	}
+	stalled := v.live && v.unseen != 0 && now.Sub(v.unseenSince) > e.ownGap()
+	lag := v.unseen
+	if stalled {
+		v.unseen, v.live = 0, false
+	}
+	v.mu.Unlock()
+	if !stalled {
+		return
+	}
+	e.stalls.Add(1)
+	if n, ok := e.stallLog.Allow("stall"); ok {
+		e.log.Warn().Uint64("unseen_revision", lag).Dur("after", e.ownGap()).Int("suppressed", n).
+			Msg("the control bucket watch stopped showing this replica's own writes (its consumer may sit on a server cut off from the bucket's leader); starting a new watch")
+	}
+	select {
+	case e.resync <- struct{}{}:
+	default:
 	}
 }
 
 // apply folds one watch entry into the view, wakes the loop when ownership or membership changed
 // and reports ownership changes.
 func (e *Elector) apply(ent jetstream.KeyValueEntry) {
+	e.view.delivered(ent.Revision())
 	key := ent.Key()
 	gone := ent.Operation() != jetstream.KeyValuePut
 	now := time.Now()
