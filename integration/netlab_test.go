@@ -168,6 +168,11 @@ func (l *netLab) teardown() {
 			_ = p.cmd.Process.Signal(syscall.SIGKILL)
 			<-p.done
 		}
+		// KVM_LAB_DUMP=<dir> keeps every lab process's whole log there, for a developer
+		// reading a run (the failure report shows only the last lines).
+		if d := os.Getenv("KVM_LAB_DUMP"); d != "" {
+			_ = os.WriteFile(d+"/"+p.name+".log", []byte(p.logs.String()), 0o644)
+		}
 		if l.t.Failed() {
 			l.t.Logf("last lines of %s:\n%s", p.name, p.logs.tail(40))
 		}
