@@ -27,6 +27,9 @@ func TestObserve(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := e.nc.Flush(); err != nil { // the mappers publish on their own connections
+		t.Fatal(err)
+	}
 	r0 := e.startMapper("r0", "--metrics-listen", "127.0.0.1:0")
 	r1 := e.startMapper("r1", "--metrics-listen", "127.0.0.1:0")
 	metricsURL := map[string]string{}

@@ -201,13 +201,17 @@ func TestReleaseSurvivesKillNine(t *testing.T) {
 
 		var once sync.Once
 		killed := make(chan struct{})
-		sub, err := e.srv.Connect(t).Subscribe("outgoing.group-a.dev-late.>", func(*nats.Msg) {
+		tap := e.srv.Connect(t)
+		sub, err := tap.Subscribe("outgoing.group-a.dev-late.>", func(*nats.Msg) {
 			once.Do(func() {
 				_ = m1.cmd.Process.Signal(syscall.SIGKILL)
 				close(killed)
 			})
 		})
 		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tap.Flush(); err != nil { // interest in place before the put releases anything
 			t.Fatal(err)
 		}
 		e.put("dev-late", "group-a")

@@ -350,6 +350,10 @@ func TestEvents(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The events publish on another connection: the server must have the interest first.
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	ev, err := status.NewEvents(e.srv.Connect(t), status.EventsConfig{
 		Subject:   status.DefaultEventsSubject,
 		Replica:   "r1",
