@@ -268,7 +268,12 @@ func TestReleasedWhileJoiningHandsOver(t *testing.T) {
 		var proceedOnce sync.Once
 		release := func() { proceedOnce.Do(func() { close(proceed) }) }
 		t.Cleanup(release) // before a's Close, which waits for its lane
-		b, c := f.pool("b", nil, nil), f.pool("c", nil, nil)
+		// The test itself holds a's answer until b has been released, through steps that take
+		// more than the default 2 s AnswerTimeout on a loaded machine (seen in CI: b gave up
+		// waiting and served what it held, storing twice what a had stored). That budget is
+		// not what this tests, so b waits as long as the test needs; c keeps the defaults.
+		b := f.pool("b", nil, func(c *direct.Config) { c.AnswerTimeout = time.Minute })
+		c := f.pool("c", nil, nil)
 		ra := f.run(a, direct.Assignment{Partition: part, Epoch: 1})
 		pubs := f.startPublishers(devs)
 		pubs.waitSent(100)
