@@ -279,7 +279,12 @@ func TestRenewKeepsLease(t *testing.T) {
 		<-ctx.Done()
 		return nil
 	})
-	l := <-leases
+	var l *election.Lease
+	select {
+	case l = <-leases:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no lease granted within 10s")
+	}
 	w, err := kv.Watch(context.Background(), "lease.0")
 	if err != nil {
 		t.Fatalf("Watch: %v", err)

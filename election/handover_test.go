@@ -78,7 +78,11 @@ func TestGracefulHandoverOrder(t *testing.T) {
 
 	stopped := make(chan error, 1)
 	go func() { stopped <- a.stop(t) }()
-	<-draining
+	select {
+	case <-draining:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("a's Work was not cancelled within 10s of the stop")
+	}
 	// Drain for longer than the TTL: the lease must stay a's, renewed, the whole time.
 	hold := time.After(ttl + ttl/2)
 	for holding := true; holding; {
@@ -94,14 +98,29 @@ func TestGracefulHandoverOrder(t *testing.T) {
 		}
 	}
 	close(proceed)
+	// Every wait below is bounded: a lease that expires instead of being deleted (a loaded
+	// machine delaying renewals past the TTL) must fail the test saying so, not hang the
+	// package until go test's 10-minute timeout (seen once in CI, the hang's test unknown).
 	var deleted time.Time
+	deadline := time.After(10 * time.Second)
 	for deleted.IsZero() {
-		ent := <-w.Updates()
-		if ent != nil && ent.Operation() == jetstream.KeyValueDelete {
-			deleted = time.Now()
+		select {
+		case ent := <-w.Updates():
+			if ent != nil && ent.Operation() == jetstream.KeyValueDelete {
+				deleted = time.Now()
+			} else if ent != nil && ent.Operation() != jetstream.KeyValuePut {
+				t.Fatalf("lease.0 %v after a's Work returned, want deleted by a (the lease expired instead?)", ent.Operation())
+			}
+		case <-deadline:
+			t.Fatalf("lease.0 not deleted within 10s of a's Work being let return")
 		}
 	}
-	ret := <-returned
+	var ret time.Time
+	select {
+	case ret = <-returned:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("a's Work did not return within 10s")
+	}
 	if !ret.Before(deleted) {
 		t.Errorf("Work returned at %v, lease deleted at %v: want return first", ret, deleted)
 	}
@@ -116,8 +135,13 @@ func TestGracefulHandoverOrder(t *testing.T) {
 	case <-time.After(3 * time.Second):
 		t.Fatalf("b did not take over within 3s of the delete")
 	}
-	if err := <-stopped; err != nil {
-		t.Errorf("a: Run() = %v, want nil", err)
+	select {
+	case err := <-stopped:
+		if err != nil {
+			t.Errorf("a: Run() = %v, want nil", err)
+		}
+	case <-time.After(20 * time.Second): // a.stop fails the test itself after 15s
+		t.Fatalf("a's Run did not return within 20s")
 	}
 	_ = b
 }

@@ -37,7 +37,12 @@ func TestWorkErrorReleasesAndReclaims(t *testing.T) {
 		<-ctx.Done()
 		return nil
 	})
-	f := <-failed
+	var f time.Time
+	select {
+	case f = <-failed:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no lease granted within 10s")
+	}
 	natstest.Eventually(t, 2*time.Second, func() error { return keyGone(t, kv, "lease.0") })
 	select {
 	case at := <-again:
