@@ -321,8 +321,9 @@ func (r *reader) devices(other *reader) int {
 // partition written before it, whether the higher epoch was stored before the creation or after
 // it: an owner goes on writing under its old bucket's lease until it notices the bucket is new
 // and claims again, lower (seen in CI: epoch 24 stored on both sides of the creation, then the
-// re-claim's 23). A later drop is a deposed owner's write. Only the current bucket's creation is known: epochs that started again
-// more than once within one output are told apart at the last restart only.
+// re-claim's 23). A later drop is a deposed owner's write. Only the current bucket's creation
+// is known: epochs that started again more than once within one output are told apart at the
+// last restart only.
 func (r *reader) epochsRestarted(p int, now int64) bool {
 	c := r.a.ctlCreated
 	if c == 0 || now < c || r.firstAt[p] >= c || r.restarted[p] {
