@@ -23,15 +23,36 @@ import (
 
 const wait = 10 * time.Second
 
+// createBucket creates the device-groups bucket, retrying while the server answers 10049.
+//
+// The tests that delete the bucket and create it again hit a race in nats-server 2.15 that only
+// an account holding a single stream can: deleting a stream's store starts a goroutine that
+// removes the account's streams directory "if empty" (stream.go, mset.stop), and it can remove
+// the directory the new stream has just made, so the create fails with "error creating store for
+// stream" (err_code 10049) and nothing is created. Production accounts hold INCOMING and the
+// other streams beside the bucket, so the directory is never empty there.
+const errCodeStreamStoreFailed jetstream.ErrorCode = 10049
+
 func createBucket(t testing.TB, js jetstream.JetStream) jetstream.KeyValue {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
-	b, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "device-groups"})
-	if err != nil {
-		t.Fatalf("CreateKeyValue: %v", err)
+	for {
+		b, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "device-groups"})
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeStreamStoreFailed {
+			select {
+			case <-ctx.Done():
+				t.Fatalf("CreateKeyValue: %v (still failing after %v)", err, wait)
+			case <-time.After(10 * time.Millisecond):
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("CreateKeyValue: %v", err)
+		}
+		return b
 	}
-	return b
 }
 
 // run starts tb.Run and registers a cleanup that cancels it and checks it returned nil.
