@@ -5,3 +5,6 @@ var BootClock = bootClock
 
 // Rank is rank, for tests: the rendezvous owner of a partition.
 var Rank = rank
+
+// StopWatch is stopWatch, for tests.
+var StopWatch = stopWatch

@@ -185,9 +185,7 @@ func (e *Elector) startWatch(wctx context.Context) (jetstream.KeyWatcher, error)
 		case got <- made{w, err}:
 		case <-wctx.Done():
 			if w != nil {
-				_ = w.Stop()
-				for range w.Updates() {
-				}
+				stopWatch(w)
 			}
 		}
 	})
@@ -248,12 +246,38 @@ func (e *Elector) watchOnce(ctx context.Context) (resync bool) {
 			// ownWriteAcked replaces). The new watch starts at once; the old one is stopped
 			// beside it. The subscription's callback may be blocked sending to Updates: drain
 			// until its close handler closes the channel so that its goroutine can exit.
-			e.goroutines.Go(func() {
-				_ = w.Stop()
-				for range w.Updates() {
-				}
-			})
+			e.goroutines.Go(func() { stopWatch(w) })
 			return true
+		case <-ctx.Done():
+			// nats.go ends the watch with its context and then closes Updates, which the
+			// case above sees; this case is for when it does not (see stopWatch).
+			e.goroutines.Go(func() { stopWatch(w) })
+			return false
+		}
+	}
+}
+
+// stopWatchDrain bounds how long stopWatch drains a stopped watch whose Updates stay open.
+const stopWatchDrain = 5 * time.Second
+
+// stopWatch stops w and drains its Updates, so that a subscription callback blocked sending to
+// it can return, until nats.go closes the channel — or for stopWatchDrain at most. nats.go
+// closes Updates from the subscription's close handler, which WatchFiltered sets only after the
+// subscription exists: when the watch's context ends between the two, the subscription is
+// closed before it has a handler and Updates is never closed. An unbounded drain would then
+// keep Run's goroutines (and Run) from ever returning.
+func stopWatch(w jetstream.KeyWatcher) {
+	_ = w.Stop()
+	t := time.NewTimer(stopWatchDrain)
+	defer t.Stop()
+	for {
+		select {
+		case _, ok := <-w.Updates():
+			if !ok {
+				return
+			}
+		case <-t.C:
+			return
 		}
 	}
 }
