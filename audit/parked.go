@@ -32,11 +32,11 @@ func (a *auditor) readParked(ctx context.Context, js jetstream.JetStream) (uint6
 	if st.Msgs == 0 {
 		return 0, nil
 	}
-	cons, err := js.OrderedConsumer(ctx, name, jetstream.OrderedConsumerConfig{
+	cons, err := orderedConsumer(ctx, js, name, jetstream.OrderedConsumerConfig{
 		DeliverPolicy:     jetstream.DeliverAllPolicy,
 		HeadersOnly:       true,
 		InactiveThreshold: 30 * time.Second,
-	})
+	}, nil)
 	if err != nil {
 		return 0, fmt.Errorf("audit: creating a consumer on stream %s: %w", name, err)
 	}

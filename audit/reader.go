@@ -58,13 +58,13 @@ func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string,
 		return nil, fmt.Errorf("audit: opening stream %s: %w", name, err)
 	}
 	st := s.CachedInfo().State
-	cons, err := js.OrderedConsumer(ctx, name, jetstream.OrderedConsumerConfig{
+	cons, err := orderedConsumer(ctx, js, name, jetstream.OrderedConsumerConfig{
 		DeliverPolicy: jetstream.DeliverAllPolicy,
 		HeadersOnly:   true,
 		// The server removes the consumer this long after a reader that could not delete it
 		// (stop) went away.
 		InactiveThreshold: 30 * time.Second,
-	})
+	}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("audit: creating a consumer on stream %s: %w", name, err)
 	}
@@ -96,6 +96,43 @@ func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string,
 		counts:    make(map[string]uint64),
 		findings:  make(map[string][]Finding),
 	}, nil
+}
+
+// consumerRetry is how long the audit keeps asking for a consumer while the servers answer 503
+// (JetStream temporarily unavailable, err_code 10008) or do not answer within consumerAttempt: a
+// cluster electing its meta leader, or a server whose partition from the others has just healed
+// (seen in CI: the audit after a healed partition got the 503, and, under -race, a request after
+// the heal that was never answered). The audit would otherwise fail where waiting a few seconds
+// succeeds.
+const (
+	consumerRetry   = 30 * time.Second
+	consumerAttempt = 5 * time.Second
+)
+
+// orderedConsumer creates an ordered consumer on stream name, asking again every 250ms while the
+// answer is a 503 or none comes within consumerAttempt, for consumerRetry at most. retried, when
+// set, is told of each failure retried.
+func orderedConsumer(ctx context.Context, js jetstream.JetStream, name string, cfg jetstream.OrderedConsumerConfig, retried func(error)) (jetstream.Consumer, error) {
+	deadline := time.Now().Add(consumerRetry)
+	for {
+		actx, cancel := context.WithTimeout(ctx, consumerAttempt)
+		cons, err := js.OrderedConsumer(actx, name, cfg)
+		cancel()
+		var apiErr *jetstream.APIError
+		unavailable := errors.As(err, &apiErr) && apiErr.Code == 503
+		unanswered := ctx.Err() == nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout))
+		if err == nil || !(unavailable || unanswered) || time.Now().After(deadline) {
+			return cons, err
+		}
+		if retried != nil {
+			retried(err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
 }
 
 // stop ends the reading and deletes the consumer: a stopped iterator's last pull request would

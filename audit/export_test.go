@@ -1,0 +1,4 @@
+package audit
+
+// OrderedConsumer is orderedConsumer, for tests.
+var OrderedConsumer = orderedConsumer
