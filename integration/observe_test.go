@@ -135,7 +135,7 @@ func TestObserve(t *testing.T) {
 			}
 			v, _ := strconv.ParseFloat(m[1], 64)
 			total += v
-			for _, name := range []string{"kvmapper_partitions_owned", "kvmapper_partition_lag_messages", "kvmapper_unowned_gap_seconds_bucket", "kvmapper_table_devices 40"} {
+			for _, name := range []string{"kvmapper_partitions_owned", "kvmapper_partition_lag_messages", "kvmapper_unowned_gap_seconds_bucket", "kvmapper_table_devices 40", "kvmapper_control_watch_restarts_total 0"} {
 				if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name)).MatchString(body) {
 					return fmt.Errorf("%s /metrics lacks %s", id, name)
 				}

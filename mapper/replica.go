@@ -589,6 +589,7 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 		TableRevision: r.table.Revision(),
 		WatchLag:      -1,
 		LeaseTTL:      r.leaseTTL,
+		WatchRestarts: uint64(r.elector.WatchStalls()),
 	}
 	if lp, ok := r.pool.(*lanes.Pool); ok {
 		s.WriteModes = lp.WriteModes()

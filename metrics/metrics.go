@@ -44,6 +44,10 @@ type Snapshot struct {
 	EventsPublished uint64 // ownership events published
 	EventsDropped   uint64 // ownership events dropped because the publisher fell behind
 
+	// WatchRestarts counts the control bucket watches the replica replaced because they stopped
+	// showing its own writes (election.Elector.WatchStalls).
+	WatchRestarts uint64
+
 	// LeaseTTL is the partition lease TTL the replica runs with; 0: not exported.
 	LeaseTTL time.Duration
 	// Streams are the streams and buckets the replica uses, with their leaders and followers.
@@ -252,10 +256,11 @@ var (
 	descFollowLag  = prometheus.NewDesc("kvmapper_stream_follower_lag", "Operations a follower of the stream or bucket is behind its leader.", []string{"stream", "server"}, nil)
 	descFollowCur  = prometheus.NewDesc("kvmapper_stream_follower_current", "1 when a follower of the stream or bucket has everything its leader has.", []string{"stream", "server"}, nil)
 	descWriteMode  = prometheus.NewDesc("kvmapper_write_mode", "1 for how the replica writes an output stream: atomic or fast-ingest batches (a leader change reorders nothing), or single publishes.", []string{"stream", "mode"}, nil)
+	descWatchRest  = prometheus.NewDesc("kvmapper_control_watch_restarts_total", "Control bucket watches replaced because they stopped showing this replica's own lease writes (the watch's consumer cut off from the bucket's leader): leases are judged from a new watch.", nil, nil)
 	descFollowSeen = prometheus.NewDesc("kvmapper_stream_follower_seen_seconds", "Since the leader of the stream or bucket last heard from a follower.", []string{"stream", "server"}, nil)
 	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
 		descParked, descReleased, descParkedDevs, descParkedMsgs,
-		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen, descWriteMode}
+		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen, descWriteMode, descWatchRest}
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
@@ -304,6 +309,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descEventsPub, s.EventsPublished)
 	counter(descEventsDrop, s.EventsDropped)
+	counter(descWatchRest, s.WatchRestarts)
 	counter(descParked, s.Parked)
 	counter(descReleased, s.Released)
 	gauge(descParkedDevs, float64(s.ParkedDevices))

@@ -224,7 +224,7 @@ func get(t *testing.T, url string) (int, string) {
 // per stream, each follower's lag and state, and no leader while one is elected.
 func TestStreamReplication(t *testing.T) {
 	m, err := metrics.New(func(context.Context) metrics.Snapshot {
-		return metrics.Snapshot{WatchLag: -1, LeaseTTL: 15 * time.Second, Streams: []metrics.Stream{
+		return metrics.Snapshot{WatchLag: -1, LeaseTTL: 15 * time.Second, WatchRestarts: 2, Streams: []metrics.Stream{
 			{Name: "OUTGOING", Replicas: 3, Leader: "n1", Followers: []metrics.Follower{
 				{Server: "n0", Current: true, SeenAgo: 200 * time.Millisecond},
 				{Server: "n2", Lag: 42, SeenAgo: 3 * time.Second},
@@ -240,6 +240,7 @@ func TestStreamReplication(t *testing.T) {
 	_, body := get(t, hs.URL+"/metrics")
 	for _, want := range []string{
 		"kvmapper_lease_ttl_seconds 15",
+		"\nkvmapper_control_watch_restarts_total 2\n",
 		`kvmapper_stream_replicas{stream="OUTGOING"} 3`,
 		`kvmapper_stream_has_leader{stream="OUTGOING"} 1`,
 		`kvmapper_stream_leader{server="n1",stream="OUTGOING"} 1`,
