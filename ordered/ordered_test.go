@@ -449,13 +449,12 @@ func TestReconnectSendsNothingBeforeWhatTheOldConnectionLost(t *testing.T) {
 				if err := e.nc.ForceReconnect(); err != nil {
 					t.Fatalf("ForceReconnect: %v", err)
 				}
-				deadline := time.Now().Add(10 * time.Second)
-				for e.nc.Stats().Reconnects < uint64(round) || !e.nc.IsConnected() {
-					if time.Now().After(deadline) {
-						t.Fatalf("round %d: not reconnected within 10s", round)
+				natstest.Eventually(t, 10*time.Second, func() error {
+					if e.nc.Stats().Reconnects < uint64(round) || !e.nc.IsConnected() {
+						return fmt.Errorf("round %d: not reconnected", round)
 					}
-					time.Sleep(time.Millisecond) // polling the connection's state to a deadline
-				}
+					return nil
+				})
 				drop.Drop("")
 			}
 			step++
