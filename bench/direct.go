@@ -356,9 +356,11 @@ func (e *env) startReplicas(ctx context.Context, n Names, run func(ctx context.C
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		mu.Lock()
+		// Serving, not Owned: a lease is held before the lane has subscribed, and in direct mode
+		// a core publish to a partition nobody has subscribed yet is answered "no responders".
 		owned := 0
 		for _, r := range reps {
-			owned += len(r.Owned())
+			owned += r.Serving()
 		}
 		all := len(reps) == e.cfg.Replicas
 		mu.Unlock()
