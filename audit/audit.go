@@ -282,8 +282,8 @@ func snapshot(ctx context.Context, js jetstream.JetStream, cfg Config) (*auditor
 		missing += src.Count
 	}
 	// A control bucket that cannot be read leaves ctlCreated 0: epochs are then compared as they are.
-	if cs, err := js.Stream(ctx, subjects.BucketStream(cfg.Control)); err == nil {
-		a.ctlCreated = cs.CachedInfo().Created.UnixNano()
+	if ci, err := streamInfo(ctx, js, subjects.BucketStream(cfg.Control), nil); err == nil {
+		a.ctlCreated = ci.Created.UnixNano()
 	}
 	a.missing.Store(int64(missing))
 	return a, nil

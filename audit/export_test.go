@@ -1,4 +1,8 @@
 package audit
 
-// OrderedConsumer is orderedConsumer, for tests.
-var OrderedConsumer = orderedConsumer
+// The audit's requests that wait out a 503, for tests.
+var (
+	OrderedConsumer = orderedConsumer
+	StreamInfo      = streamInfo
+	StreamIfAllowed = streamIfAllowed
+)

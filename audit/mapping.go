@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -45,15 +44,10 @@ type mappingCheck struct {
 	checked, unchecked uint64
 }
 
-// bucketTimeout bounds the look-up of the groups bucket's stream: a user not allowed to read it
-// may get no answer at all.
-const bucketTimeout = 5 * time.Second
-
 func newMappingCheck(ctx context.Context, js jetstream.JetStream, lay *subjects.Layout, bucket string) *mappingCheck {
 	c := &mappingCheck{lay: lay, bucket: bucket, prefix: "$KV." + bucket + ".", cache: map[uint64]revision{}}
-	sctx, cancel := context.WithTimeout(ctx, bucketTimeout)
-	defer cancel()
-	s, err := js.Stream(sctx, subjects.BucketStream(bucket))
+	// A user not allowed to read the bucket may get no answer at all: then nothing is checked.
+	s, err := streamIfAllowed(ctx, js, subjects.BucketStream(bucket), nil)
 	if err != nil {
 		c.off = fmt.Sprintf("cannot read the groups bucket %s: %v", bucket, err)
 		return c
@@ -124,7 +118,9 @@ func (c *mappingCheck) revision(ctx context.Context, rev uint64) (revision, erro
 		return v, nil
 	}
 	var v revision
-	m, err := c.stream.GetMsg(ctx, rev)
+	m, err := whileUnavailable(ctx, nil, func(ctx context.Context) (*jetstream.RawStreamMsg, error) {
+		return c.stream.GetMsg(ctx, rev)
+	})
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 		v.gone = true

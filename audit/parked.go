@@ -20,7 +20,7 @@ func (a *auditor) readParked(ctx context.Context, js jetstream.JetStream) (uint6
 	if a.missing.Load() == 0 {
 		return 0, nil // nothing to look for: PARKED is not even opened (it may not be allowed)
 	}
-	s, err := js.Stream(ctx, name)
+	s, err := streamIfAllowed(ctx, js, name, nil)
 	if err != nil {
 		if ctx.Err() != nil {
 			return 0, ctx.Err()

@@ -53,11 +53,11 @@ type reader struct {
 // open snapshots stream name and starts reading it from its first message. The reader reads
 // headers only; ctx ending stops it.
 func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string, t *subjects.Template, malformed string) (*reader, error) {
-	s, err := js.Stream(ctx, name)
+	info, err := streamInfo(ctx, js, name, nil)
 	if err != nil {
 		return nil, fmt.Errorf("audit: opening stream %s: %w", name, err)
 	}
-	st := s.CachedInfo().State
+	st := info.State
 	cons, err := orderedConsumer(ctx, js, name, jetstream.OrderedConsumerConfig{
 		DeliverPolicy: jetstream.DeliverAllPolicy,
 		HeadersOnly:   true,
@@ -98,41 +98,85 @@ func (a *auditor) open(ctx context.Context, js jetstream.JetStream, name string,
 	}, nil
 }
 
-// consumerRetry is how long the audit keeps asking for a consumer while the servers answer 503
-// (JetStream temporarily unavailable, err_code 10008) or do not answer within consumerAttempt: a
-// cluster electing its meta leader, or a server whose partition from the others has just healed
-// (seen in CI: the audit after a healed partition got the 503, and, under -race, a request after
-// the heal that was never answered). The audit would otherwise fail where waiting a few seconds
-// succeeds.
+// unavailableRetry is how long the audit keeps asking while the servers answer 503 (JetStream
+// temporarily unavailable, err_code 10008) or do not answer within unavailableAttempt: a cluster
+// electing its meta leader or a stream's leader, or a server whose partition from the others has
+// just healed (seen in CI: the audit after a healed partition got the 503, and, under -race, a
+// request after the heal that was never answered). The audit would otherwise fail, or take a
+// stream it could not read for one that holds nothing, where waiting a few seconds succeeds.
 const (
-	consumerRetry   = 30 * time.Second
-	consumerAttempt = 5 * time.Second
+	unavailableRetry   = 30 * time.Second
+	unavailableAttempt = 5 * time.Second
 )
 
-// orderedConsumer creates an ordered consumer on stream name, asking again every 250ms while the
-// answer is a 503 or none comes within consumerAttempt, for consumerRetry at most. retried, when
-// set, is told of each failure retried.
-func orderedConsumer(ctx context.Context, js jetstream.JetStream, name string, cfg jetstream.OrderedConsumerConfig, retried func(error)) (jetstream.Consumer, error) {
-	deadline := time.Now().Add(consumerRetry)
+// whileUnavailable calls f, asking again every 250ms while the answer is a 503 or none comes
+// within unavailableAttempt, for unavailableRetry at most. retried, when set, is told of each
+// failure retried.
+func whileUnavailable[T any](ctx context.Context, retried func(error), f func(context.Context) (T, error)) (T, error) {
+	deadline := time.Now().Add(unavailableRetry)
 	for {
-		actx, cancel := context.WithTimeout(ctx, consumerAttempt)
-		cons, err := js.OrderedConsumer(actx, name, cfg)
+		actx, cancel := context.WithTimeout(ctx, unavailableAttempt)
+		v, err := f(actx)
 		cancel()
 		var apiErr *jetstream.APIError
 		unavailable := errors.As(err, &apiErr) && apiErr.Code == 503
-		unanswered := ctx.Err() == nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout))
-		if err == nil || !(unavailable || unanswered) || time.Now().After(deadline) {
-			return cons, err
+		if err == nil || !(unavailable || unanswered(ctx, err)) || time.Now().After(deadline) {
+			return v, err
 		}
 		if retried != nil {
 			retried(err)
 		}
 		select {
 		case <-ctx.Done():
-			return nil, err
+			return v, err
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
+}
+
+// streamIfAllowed returns stream name, waiting out 503s ([whileUnavailable]), but a request
+// not answered at all is taken at once for one the user may not make (the server drops it,
+// telling only the connection's error handler): errNotAnswered. For the streams the audit reads
+// only when it may (PARKED, the groups bucket).
+func streamIfAllowed(ctx context.Context, js jetstream.JetStream, name string, retried func(error)) (jetstream.Stream, error) {
+	return whileUnavailable(ctx, retried, func(actx context.Context) (jetstream.Stream, error) {
+		s, err := js.Stream(actx, name)
+		if unanswered(ctx, err) {
+			return nil, errNotAnswered
+		}
+		return s, err
+	})
+}
+
+// errNotAnswered is a request nobody answered in time, taken as not allowed.
+var errNotAnswered = errors.New("no answer in time (not allowed?)")
+
+// unanswered reports whether err is a request's answer not coming in time while ctx still runs.
+func unanswered(ctx context.Context, err error) bool {
+	return ctx.Err() == nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout))
+}
+
+// orderedConsumer creates an ordered consumer on stream name, while the servers answer 503 too
+// ([whileUnavailable]).
+func orderedConsumer(ctx context.Context, js jetstream.JetStream, name string, cfg jetstream.OrderedConsumerConfig, retried func(error)) (jetstream.Consumer, error) {
+	return whileUnavailable(ctx, retried, func(ctx context.Context) (jetstream.Consumer, error) {
+		return js.OrderedConsumer(ctx, name, cfg)
+	})
+}
+
+// streamInfo reads the state of stream name, while the servers answer 503 too
+// ([whileUnavailable]). A stream that does not exist is jetstream.ErrStreamNotFound at once.
+func streamInfo(ctx context.Context, js jetstream.JetStream, name string, retried func(error), opts ...jetstream.StreamInfoOpt) (*jetstream.StreamInfo, error) {
+	return whileUnavailable(ctx, retried, func(ctx context.Context) (*jetstream.StreamInfo, error) {
+		s, err := js.Stream(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		if len(opts) == 0 {
+			return s.CachedInfo(), nil
+		}
+		return s.Info(ctx, opts...)
+	})
 }
 
 // stop ends the reading and deletes the consumer: a stopped iterator's last pull request would
@@ -193,11 +237,7 @@ const idleCheck = 2 * time.Second
 
 // drained reports whether the stream holds nothing past what the reader has read.
 func (r *reader) drained(ctx context.Context) (bool, error) {
-	s, err := r.js.Stream(ctx, r.name)
-	if err != nil {
-		return false, fmt.Errorf("audit: reading stream %s: %w", r.name, err)
-	}
-	info, err := s.Info(ctx)
+	info, err := streamInfo(ctx, r.js, r.name, nil) // js.Stream asks the server each time
 	if err != nil {
 		return false, fmt.Errorf("audit: reading stream %s: %w", r.name, err)
 	}

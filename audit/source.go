@@ -37,11 +37,7 @@ type source struct {
 
 // openSource takes the state of stream name: its range and the sequences deleted in it.
 func openSource(ctx context.Context, js jetstream.JetStream, name string, legacy bool) (*source, error) {
-	s, err := js.Stream(ctx, name)
-	if err != nil {
-		return nil, fmt.Errorf("audit: opening stream %s: %w", name, err)
-	}
-	info, err := s.Info(ctx, jetstream.WithDeletedDetails(true))
+	info, err := streamInfo(ctx, js, name, nil, jetstream.WithDeletedDetails(true))
 	if err != nil {
 		return nil, fmt.Errorf("audit: reading the state of stream %s: %w", name, err)
 	}
