@@ -1,0 +1,278 @@
+package check
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/prometheus/model/histogram"
+	"github.com/prometheus/prometheus/model/labels"
+	promqlengine "github.com/prometheus/prometheus/promql"
+	"github.com/prometheus/prometheus/storage"
+	"github.com/prometheus/prometheus/tsdb/chunkenc"
+	"github.com/prometheus/prometheus/tsdb/chunks"
+	"github.com/prometheus/prometheus/util/annotations"
+)
+
+// A scenario is what the replicas exported, in the notation of Prometheus's rule tests (promtool
+// test rules, promqltest's load: one series a line, "a+bxn" is a, a+b, … n+1 samples, "_" none),
+// scraped every step; the rule is evaluated at each step from the first sample to the last, as
+// Prometheus would, `for` included.
+type scenario struct {
+	name   string
+	step   time.Duration
+	series string
+	fires  bool
+}
+
+// r1 and r2 are two replicas of one deployment.
+const (
+	r1 = `namespace="kv",job="kvmapper-metrics",instance="10.0.0.1:9090"`
+	r2 = `namespace="kv",job="kvmapper-metrics",instance="10.0.0.2:9090"`
+)
+
+// alertScenarios are, for every alert of the rules file, the fault it is for (it must fire) and
+// what looks like it but is no cause to wake anyone (it must not).
+var alertScenarios = map[string][]scenario{
+	"KvmapperPartitionUnowned": {
+		{name: "a dead replica's partitions stay unowned", step: time.Minute, fires: true, series: `
+kvmapper_partitions_owned{` + r1 + `} 2x30
+kvmapper_partition_epoch{` + r1 + `,partition="0"} 1x30
+kvmapper_partition_epoch{` + r1 + `,partition="1"} 1x30
+kvmapper_partitions_owned{` + r2 + `} 2x10
+kvmapper_partition_epoch{` + r2 + `,partition="2"} 1x10
+kvmapper_partition_epoch{` + r2 + `,partition="3"} 1x10`},
+		{name: "a dead replica's partitions taken over", step: time.Minute, series: `
+kvmapper_partitions_owned{` + r1 + `} 2x10 4x20
+kvmapper_partition_epoch{` + r1 + `,partition="0"} 1x30
+kvmapper_partition_epoch{` + r1 + `,partition="1"} 1x30
+kvmapper_partition_epoch{` + r1 + `,partition="2"} _x10 7x20
+kvmapper_partition_epoch{` + r1 + `,partition="3"} _x10 8x20
+kvmapper_partitions_owned{` + r2 + `} 2x10
+kvmapper_partition_epoch{` + r2 + `,partition="2"} 1x10
+kvmapper_partition_epoch{` + r2 + `,partition="3"} 1x10`},
+	},
+	"KvmapperLagGrowing": {
+		{name: "a backlog growing for half an hour", step: time.Minute, fires: true, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 2000+100x40`},
+		{name: "a large backlog, not growing", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 50000x40`},
+		{name: "a growing backlog under a thousand", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 0+20x40`},
+	},
+	"KvmapperDeadLettersRising": {
+		{name: "dead letters for half an hour", step: time.Minute, fires: true, series: `
+kvmapper_unmapped_total{` + r1 + `,reason="no-group"} 0+10x40`},
+		{name: "one burst of dead letters", step: time.Minute, series: `
+kvmapper_unmapped_total{` + r1 + `,reason="no-group"} 0x5 50x35`},
+	},
+	"KvmapperDeadLetterDropped": {
+		{name: "one dead letter dropped", step: time.Minute, fires: true, series: `
+kvmapper_dropped_total{` + r1 + `} 0x5 1x10`},
+		{name: "none dropped", step: time.Minute, series: `
+kvmapper_dropped_total{` + r1 + `} 0x15`},
+	},
+	"KvmapperReordered": {
+		{name: "one message reordered", step: time.Minute, fires: true, series: `
+kvmapper_reorders_total{` + r1 + `} 0x5 1x10`},
+		{name: "counted before the replica's first scrape", step: time.Minute, fires: true, series: `
+kvmapper_reorders_total{` + r1 + `} 1x10`},
+		{name: "none reordered", step: time.Minute, series: `
+kvmapper_reorders_total{` + r1 + `} 0x15`},
+	},
+	"KvmapperFenced": {
+		{name: "one partition fenced", step: time.Minute, fires: true, series: `
+kvmapper_fenced_total{` + r1 + `} 0x5 1x10`},
+		{name: "counted before the replica's first scrape", step: time.Minute, fires: true, series: `
+kvmapper_fenced_total{` + r1 + `} 1x10`},
+		{name: "none fenced", step: time.Minute, series: `
+kvmapper_fenced_total{` + r1 + `} 0x15`},
+	},
+	"KvmapperStreamLeaderless": {
+		{name: "no leader for three minutes", step: 15 * time.Second, fires: true, series: `
+kvmapper_stream_has_leader{` + r1 + `,stream="OUTGOING"} 1x4 0x12
+kvmapper_stream_has_leader{` + r2 + `,stream="OUTGOING"} 1x4 0x12`},
+		{name: "an election of one scrape", step: 15 * time.Second, series: `
+kvmapper_stream_has_leader{` + r1 + `,stream="OUTGOING"} 1x4 0 1x8
+kvmapper_stream_has_leader{` + r2 + `,stream="OUTGOING"} 1x4 0 1x8`},
+		{name: "one replica cannot see the leader", step: 15 * time.Second, series: `
+kvmapper_stream_has_leader{` + r1 + `,stream="OUTGOING"} 0x16
+kvmapper_stream_has_leader{` + r2 + `,stream="OUTGOING"} 1x16`},
+	},
+	"KvmapperControlWatchRestarting": {
+		{name: "a restart every minute for two hours", step: time.Minute, fires: true, series: `
+kvmapper_control_watch_restarts_total{` + r1 + `} 0+1x120`},
+		{name: "one burst during a fault", step: time.Minute, series: `
+kvmapper_control_watch_restarts_total{` + r1 + `} 0x10 40x110`},
+		{name: "a few faults an hour apart", step: time.Minute, series: `
+kvmapper_control_watch_restarts_total{` + r1 + `} 0x10 6x60 12x60`},
+	},
+	"KvmapperReplicaNotReady": {
+		{name: "not ready for ten minutes", step: time.Minute, fires: true, series: `
+kvmapper_ready{` + r1 + `} 1x2 0x10`},
+		{name: "not ready for one scrape", step: time.Minute, series: `
+kvmapper_ready{` + r1 + `} 1x2 0 1x8`},
+	},
+	"KvmapperReplicaDown": {
+		{name: "a replica unreachable for ten minutes", step: time.Minute, fires: true, series: `
+up{` + r1 + `} 1x2 0x10`},
+		{name: "another job's target down", step: time.Minute, series: `
+up{namespace="kv",job="node-exporter",instance="10.0.0.1:9100"} 1x2 0x10`},
+	},
+}
+
+// Every alert of the rules file fires on the fault it is for and keeps quiet on what only looks
+// like it, evaluated by Prometheus's own PromQL engine over the series of each scenario; and no
+// alert goes without both kinds of scenario.
+func TestAlertsFireOnTheirFaultsOnly(t *testing.T) {
+	seen := map[string]bool{}
+	for _, g := range rules(t).Groups {
+		for _, r := range g.Rules {
+			if r.Alert == "" {
+				continue
+			}
+			seen[r.Alert] = true
+			scs := alertScenarios[r.Alert]
+			if !slices.ContainsFunc(scs, func(s scenario) bool { return s.fires }) ||
+				!slices.ContainsFunc(scs, func(s scenario) bool { return !s.fires }) {
+				t.Errorf("%s: no scenario it must fire on and one it must not: add them to alertScenarios", r.Alert)
+			}
+			for _, sc := range scs {
+				t.Run(r.Alert+"/"+sc.name, func(t *testing.T) {
+					fired, err := evalAlert(t, r.Expr, time.Duration(r.For), sc)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if fired != sc.fires {
+						t.Errorf("fired = %v, want %v; the series:%s", fired, sc.fires, sc.series)
+					}
+				})
+			}
+		}
+	}
+	for name := range alertScenarios {
+		if !seen[name] {
+			t.Errorf("alertScenarios has %s, which the rules file does not", name)
+		}
+	}
+}
+
+// evalAlert evaluates the alert's expression over sc at each step with Prometheus's own PromQL
+// engine, and reports whether the alert was ever firing. Firing is as Prometheus's rule manager
+// decides it: a series of the result is pending from the first evaluation that has it, firing
+// once it has been in every evaluation for hold, and forgotten at the first that lacks it. (The
+// rule manager itself, package rules, and promqltest's storage, package tsdb, would bring the
+// notifier's and remote write's cloud SDKs into this module: the series are held here instead.)
+func evalAlert(t *testing.T, expr string, hold time.Duration, sc scenario) (bool, error) {
+	series, steps, err := loadSeries(sc)
+	if err != nil {
+		return false, err
+	}
+	engine := promqlengine.NewEngine(promqlengine.EngineOpts{MaxSamples: 1_000_000, Timeout: time.Minute, LookbackDelta: 5 * time.Minute,
+		NoStepSubqueryIntervalFn: func(int64) int64 { return time.Minute.Milliseconds() }})
+	queryable := storage.QueryableFunc(func(mint, maxt int64) (storage.Querier, error) {
+		return &storage.MockQuerier{SelectMockFunction: func(_ bool, _ *storage.SelectHints, ms ...*labels.Matcher) storage.SeriesSet {
+			set := &seriesSet{i: -1}
+			for _, s := range series {
+				if matchAll(s.Labels(), ms) {
+					set.series = append(set.series, s)
+				}
+			}
+			return set
+		}}, nil
+	})
+	activeAt := map[string]time.Time{}
+	fired := false
+	for i := range steps {
+		ts := time.UnixMilli(0).Add(time.Duration(i) * sc.step)
+		q, err := engine.NewInstantQuery(context.Background(), queryable, nil, expr, ts)
+		if err != nil {
+			return false, err
+		}
+		res := q.Exec(context.Background())
+		vec, err := res.Vector()
+		q.Close()
+		if res.Err != nil {
+			return false, res.Err
+		}
+		if err != nil {
+			return false, err
+		}
+		now := map[string]bool{}
+		for _, s := range vec {
+			k := s.Metric.String()
+			now[k] = true
+			if _, ok := activeAt[k]; !ok {
+				activeAt[k] = ts
+			}
+			if ts.Sub(activeAt[k]) >= hold {
+				fired = true
+			}
+		}
+		for k := range activeAt {
+			if !now[k] {
+				delete(activeAt, k)
+			}
+		}
+	}
+	return fired, nil
+}
+
+// loadSeries reads sc's series with PromQL's own parser of the notation, sorted by labels as a
+// querier returns them, and how many steps the longest covers.
+func loadSeries(sc scenario) ([]storage.Series, int, error) {
+	var out []storage.Series
+	steps := 0
+	for _, line := range strings.Split(strings.TrimSpace(sc.series), "\n") {
+		lset, values, err := promql.ParseSeriesDesc(line) // the parser of monitoring_test.go
+		if err != nil {
+			return nil, 0, err
+		}
+		var samples []chunks.Sample
+		for i, v := range values {
+			if !v.Omitted {
+				samples = append(samples, fsample{t: (time.Duration(i) * sc.step).Milliseconds(), f: v.Value})
+			}
+		}
+		steps = max(steps, len(values))
+		out = append(out, storage.NewListSeries(lset, samples))
+	}
+	slices.SortFunc(out, func(a, b storage.Series) int { return labels.Compare(a.Labels(), b.Labels()) })
+	return out, steps, nil
+}
+
+func matchAll(l labels.Labels, ms []*labels.Matcher) bool {
+	for _, m := range ms {
+		if !m.Matches(l.Get(m.Name)) {
+			return false
+		}
+	}
+	return true
+}
+
+// seriesSet is a querier's answer: the series held, in order.
+type seriesSet struct {
+	series []storage.Series
+	i      int
+}
+
+func (s *seriesSet) Next() bool                        { s.i++; return s.i < len(s.series) }
+func (s *seriesSet) At() storage.Series                { return s.series[s.i] }
+func (s *seriesSet) Err() error                        { return nil }
+func (s *seriesSet) Warnings() annotations.Annotations { return nil }
+
+// fsample is one float sample.
+type fsample struct {
+	t int64
+	f float64
+}
+
+func (s fsample) T() int64                      { return s.t }
+func (s fsample) ST() int64                     { return 0 }
+func (s fsample) F() float64                    { return s.f }
+func (s fsample) H() *histogram.Histogram       { return nil }
+func (s fsample) FH() *histogram.FloatHistogram { return nil }
+func (s fsample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
+func (s fsample) Copy() chunks.Sample           { return s }
