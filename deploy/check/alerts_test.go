@@ -141,7 +141,7 @@ func TestAlertsFireOnTheirFaultsOnly(t *testing.T) {
 			}
 			for _, sc := range scs {
 				t.Run(r.Alert+"/"+sc.name, func(t *testing.T) {
-					fired, err := evalAlert(t, r.Expr, time.Duration(r.For), sc)
+					fired, err := evalAlert(r.Expr, time.Duration(r.For), sc)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -165,7 +165,7 @@ func TestAlertsFireOnTheirFaultsOnly(t *testing.T) {
 // once it has been in every evaluation for hold, and forgotten at the first that lacks it. (The
 // rule manager itself, package rules, and promqltest's storage, package tsdb, would bring the
 // notifier's and remote write's cloud SDKs into this module: the series are held here instead.)
-func evalAlert(t *testing.T, expr string, hold time.Duration, sc scenario) (bool, error) {
+func evalAlert(expr string, hold time.Duration, sc scenario) (bool, error) {
 	series, steps, err := loadSeries(sc)
 	if err != nil {
 		return false, err
