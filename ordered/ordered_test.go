@@ -472,3 +472,62 @@ func TestReconnectSendsNothingBeforeWhatTheOldConnectionLost(t *testing.T) {
 		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(all))
 	}
 }
+
+// TestReconnectBetweenCheckAndPublishSendsNothingAhead: the reconnect completes after Send has
+// looked at the connection and before the first message given after it is published (the window
+// between the writer's check of the connection and its publish, made wide by a hook). That
+// message must not go out on the new connection ahead of the five the old one lost: it is held
+// back and sent after their resend, in order.
+func TestReconnectBetweenCheckAndPublishSendsNothingAhead(t *testing.T) {
+	drop := &natstest.Dropper{}
+	e := newEnv(t, nil, nats.SetCustomDialer(drop), nats.ReconnectWait(10*time.Millisecond))
+	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
+	armed, struck := false, false
+	defer ordered.SetBeforePublish(func() {
+		if !armed {
+			return
+		}
+		armed, struck = false, true
+		if err := e.nc.ForceReconnect(); err != nil {
+			t.Fatalf("ForceReconnect: %v", err)
+		}
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if e.nc.Stats().Reconnects < 1 || !e.nc.IsConnected() {
+				return fmt.Errorf("not reconnected")
+			}
+			return nil
+		})
+		drop.Drop("")
+	})()
+	// Burst 0 goes through; burst 1 goes out and the server sees none of it; the first publish
+	// of burst 2 finds the connection replaced under it.
+	step := 0
+	d.between = func(int) {
+		switch step {
+		case 0:
+			if err := e.nc.Flush(); err != nil { // burst 0 is written out
+				t.Fatalf("Flush: %v", err)
+			}
+			drop.Drop("outgoing.")
+		case 1:
+			if err := e.nc.Flush(); err != nil { // burst 1 is written out
+				t.Fatalf("Flush: %v", err)
+			}
+			if n := drop.Dropped(); n != 5 {
+				t.Fatalf("%d publishes lost before the reconnect, want burst 1's 5", n)
+			}
+			armed = true
+		}
+		step++
+	}
+	ms := msgs(1, 25)
+	if err := d.run(ms, 5); err != nil {
+		t.Fatal(err)
+	}
+	if !struck {
+		t.Fatalf("no publish found the connection replaced under it: the test proves nothing")
+	}
+	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
+		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(ms))
+	}
+}

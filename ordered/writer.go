@@ -498,6 +498,22 @@ func (w *Writer) checkGen() {
 	w.genSeen = gen
 }
 
+// sentBefore tells whether a message other than m is in flight on a connection older than m's;
+// if none is, it remembers m's connection as the one everything in flight went out on.
+func (w *Writer) sentBefore(m *Msg) bool {
+	for _, o := range w.q {
+		if o != m && o.inFlight() && o.gen != m.gen {
+			return true
+		}
+	}
+	w.genSeen = m.gen
+	return false
+}
+
+// beforePublish, when set (by tests only), runs at the start of every publish: a test makes a
+// reconnect complete there, inside the window the generation checks guard.
+var beforePublish func()
+
 // reply builds a reply subject in w's buffer and returns it as a string sharing the buffer:
 // nats.go copies it when it publishes, and the writer clears Out.Reply right after.
 func (w *Writer) reply(parts ...any) string {
@@ -517,9 +533,23 @@ func (w *Writer) reply(parts ...any) string {
 }
 
 // publish sends m with reply; a failure to even send marks m failed.
+//
+// A reconnect can complete between the last [Writer.checkGen] (at Send, or never, for a
+// message sent from an answer or a timer) and this publish: m would then go out on the new
+// connection ahead of what the old one lost. So m is sent only if nothing in flight went out on
+// an older connection; otherwise it fails unsent, like a publish that could not be written, and
+// the round of resends sends it after them.
 func (w *Writer) publish(m *Msg, reply string) {
+	if beforePublish != nil {
+		beforePublish()
+	}
 	m.sent, m.Stored, m.Duplicate, m.Seq, m.Err = true, false, false, 0, nil
 	m.gen, m.at = w.in.generation(), time.Now()
+	if m.gen != w.genSeen && w.sentBefore(m) {
+		m.Err = errConnChanged
+		w.setFailed()
+		return
+	}
 	m.Out.Reply = reply
 	err := w.in.nc.PublishMsg(m.Out)
 	m.Out.Reply = ""
