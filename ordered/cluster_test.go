@@ -121,3 +121,56 @@ func idsOfStream(t *testing.T, js jetstream.JetStream, stream string) []string {
 	}
 	return out
 }
+
+// TestFencedSinglesGoOneAtATime: a replicated stream written with single publishes (one that
+// does not allow atomic batches, or a mode read while the stream elected) and fenced checks
+// each publish against the fence record; while one such publish is in process (proposed, not
+// yet applied), the stream refuses the next checking the same record (10164), and takes the one
+// after it once the first is applied: pipelined, a later message is stored ahead of an earlier
+// one. With no fault at all, every message must be stored once, in order, and none refused for a
+// fence in process.
+func TestFencedSinglesGoOneAtATime(t *testing.T) {
+	const fence = "kvmapper.fence.OUTGOING.3"
+	c := natstest.StartCluster(t, 3)
+	admin, err := jetstream.New(c.Connect(t, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if _, err := admin.CreateStream(ctx, jetstream.StreamConfig{Name: "OUTGOING", Subjects: []string{"outgoing.>", "kvmapper.fence.>"},
+		Replicas: 3, Duplicates: 2 * time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	own, err := admin.Publish(ctx, fence, []byte(`{"epoch":1}`), jetstream.WithExpectLastSequencePerSubject(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leader := c.WaitStreamLeader("OUTGOING", -1, 30*time.Second)
+	c.WaitStreamCurrent("OUTGOING", 30*time.Second)
+	d := newDriver(t, c.Connect(t, leader), []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}},
+		ordered.Config{PublishTimeout: 2 * time.Second})
+	d.w.SetFence(0, fence, own.Sequence)
+	var inProcess []error
+	d.hooks.Round = func(first error, _ int, _ time.Duration) {
+		if first != nil && strings.Contains(first.Error(), "(10164)") {
+			inProcess = append(inProcess, first)
+		}
+	}
+	ms := msgs(1, 300)
+	if err := d.run(ms, 30); err != nil {
+		t.Fatalf("run = %v, want every message stored", err)
+	}
+	var got []string
+	for _, id := range idsOfStream(t, admin, "OUTGOING") {
+		if id != "" {
+			got = append(got, id)
+		}
+	}
+	if want := idsOf(ms); !slices.Equal(got, want) {
+		t.Errorf("OUTGOING holds %d messages of the writer %v, want each of the %d once, in order", len(got), got, len(want))
+	}
+	if len(inProcess) > 0 {
+		t.Errorf("%d rounds of resends began with a publish refused for a fence in process (first: %v): the writer had two checks of the fence in flight", len(inProcess), inProcess[0])
+	}
+}

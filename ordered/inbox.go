@@ -30,6 +30,10 @@ type Inbox struct {
 // NewInbox subscribes a new inbox on nc. capacity bounds the answers waiting to be handled:
 // make it at least twice the messages that can be in flight (a message can have two answers
 // coming: a late one and its resend's), or nats.go drops answers as a slow consumer.
+//
+// The writers publish nothing while nc is not connected (see [Writer.publish]), so a connection
+// that buffers publishes while it reconnects buffers none of theirs; kvmapper's connections do
+// not buffer at all (internal/natsconn: ReconnectBufSize -1).
 func NewInbox(nc *nats.Conn, capacity int) (*Inbox, error) {
 	inbox := nc.NewInbox()
 	in := &Inbox{nc: nc, prefix: inbox + ".", uid: inbox[strings.LastIndexByte(inbox, '.')+1:],

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -526,6 +528,135 @@ func TestReconnectBetweenCheckAndPublishSendsNothingAhead(t *testing.T) {
 	}
 	if !struck {
 		t.Fatalf("no publish found the connection replaced under it: the test proves nothing")
+	}
+	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
+		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(ms))
+	}
+}
+
+// TestDroppedWriterFreesItsAtomicSlot: a writer dropped (its lane stopped, the drain timed out)
+// while its atomic batch is unanswered gives the batch's slot back. The slots bound the open
+// batches of a stream for every writer of a process: one kept by a writer that is gone would
+// never come back, and once all were gone no writer of the process would send to that stream
+// again.
+func TestDroppedWriterFreesItsAtomicSlot(t *testing.T) {
+	drop := &natstest.Dropper{}
+	e := newEnv(t, nil)
+	slots := ordered.NewSlots(1)
+	streams := []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeAtomic, Slots: slots}}
+	nc, _ := e.srv.JetStream(t, nats.SetCustomDialer(drop))
+	gone := newDriver(t, nc, streams, ordered.Config{PublishTimeout: 2 * time.Second})
+	drop.Drop("outgoing.")
+	for _, m := range msgs(1, 5) {
+		gone.w.Send(m)
+	}
+	gone.w.Flush()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if drop.Dropped() == 0 {
+		t.Fatal("the dropped writer's batch was never sent: it holds no slot, the test proves nothing")
+	}
+	gone.w.Drop()
+	gone.w.Close()
+	d := newDriver(t, e.nc, streams, ordered.Config{PublishTimeout: 2 * time.Second})
+	ms := msgs(6, 20)
+	if err := d.run(ms, 5); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
+		t.Fatalf("OUTGOING holds %v, want the second writer's %d, in order", got, len(ms))
+	}
+}
+
+// gatedDialer dials through a Dropper, but holds every dial while its gate is shut: a
+// connection lost meanwhile stays reconnecting until the gate opens.
+type gatedDialer struct {
+	*natstest.Dropper
+	mu   sync.Mutex
+	gate chan struct{}
+}
+
+func (g *gatedDialer) Dial(network, address string) (net.Conn, error) {
+	g.mu.Lock()
+	gate := g.gate
+	g.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
+	return g.Dropper.Dial(network, address)
+}
+
+func (g *gatedDialer) shut() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.gate = make(chan struct{})
+}
+
+func (g *gatedDialer) open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.gate != nil {
+		close(g.gate)
+		g.gate = nil
+	}
+}
+
+// TestNothingIsSentWhileReconnecting: a connection that buffers publishes while it reconnects
+// (nats.go's default) sends what it buffered first on the new connection. The first message
+// given after the old connection lost five is published while the connection reconnects: it
+// must not be buffered ahead of their resend.
+func TestNothingIsSentWhileReconnecting(t *testing.T) {
+	g := &gatedDialer{Dropper: &natstest.Dropper{}}
+	e := newEnv(t, nil, nats.SetCustomDialer(g), nats.ReconnectWait(10*time.Millisecond))
+	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
+	armed, struck := false, false
+	defer ordered.SetBeforePublish(func() {
+		if !armed {
+			return
+		}
+		armed, struck = false, true
+		g.Drop("")
+		g.shut()
+		if err := e.nc.ForceReconnect(); err != nil {
+			t.Fatalf("ForceReconnect: %v", err)
+		}
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if s := e.nc.Status(); s != nats.RECONNECTING {
+				return fmt.Errorf("connection %v, want reconnecting", s)
+			}
+			return nil
+		})
+	})()
+	// Burst 0 goes through; burst 1 goes out and the server sees none of it; burst 2 is given
+	// while the connection reconnects, and the connection comes back once it has been.
+	step := 0
+	d.between = func(int) {
+		switch step {
+		case 0:
+			if err := e.nc.Flush(); err != nil {
+				t.Fatalf("Flush: %v", err)
+			}
+			g.Drop("outgoing.")
+		case 1:
+			if err := e.nc.Flush(); err != nil {
+				t.Fatalf("Flush: %v", err)
+			}
+			if n := g.Dropped(); n != 5 {
+				t.Fatalf("%d publishes lost before the reconnect, want burst 1's 5", n)
+			}
+			armed = true
+		case 2:
+			g.open()
+		}
+		step++
+	}
+	ms := msgs(1, 25)
+	if err := d.run(ms, 5); err != nil {
+		t.Fatal(err)
+	}
+	if !struck {
+		t.Fatalf("no publish was made while the connection reconnected: the test proves nothing")
 	}
 	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
 		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(ms))

@@ -133,6 +133,7 @@ var (
 	errFallback      = errors.New("ordered: the stream does not take batches: sent again singly")
 	errLeaderChanged = errors.New("ordered: the stream changed leader; what was sent before and is unanswered is sent again in order")
 	errConnChanged   = errors.New("ordered: the connection was replaced while this message was in flight")
+	errNotConnected  = errors.New("ordered: not sent: the connection is reconnecting")
 )
 
 // Msg is one message on its way out. The caller fills Key, Stream and Out and hands it to
@@ -173,6 +174,15 @@ func (m *Msg) settled() bool { return !m.sent || m.Stored || m.Dropped || m.Err 
 
 // inFlight tells whether m was sent and its outcome is not known yet.
 func (m *Msg) inFlight() bool { return !m.settled() }
+
+// oneAtATime tells whether t sends one message at a time, each once the one before is answered:
+// while it probes, and always when single publishes carry a fence check. On a cluster a stream
+// refuses a publish checking a fence while another check of that fence is in process (proposed,
+// not yet applied: 10164), and takes the next once it is applied, so pipelined fenced singles
+// would store a later message ahead of the refused one (TestFencedSinglesGoOneAtATime: most of a
+// burst). A fenced stream takes atomic batches (setup makes it so); singles are its fallback
+// (a mode read while the stream elected, or batches refused), slow but in order.
+func (t *target) oneAtATime() bool { return t.probe || t.Mode == ModeSingle && t.fenceSubj != "" }
 
 // target is a writer's state for one stream.
 type target struct {
@@ -246,8 +256,10 @@ func (in *Inbox) NewWriter(streams []Stream, cfg Config) *Writer {
 	return w
 }
 
-// Close forgets w: answers for it are dropped from now on.
+// Close forgets w: answers for it are dropped from now on, and the slots of its open atomic
+// batches are given back.
 func (w *Writer) Close() {
+	w.freeSlots()
 	if !w.closed {
 		w.closed = true
 		delete(w.in.writers, w.id)
@@ -327,7 +339,7 @@ func (w *Writer) Waiting() bool {
 		return true
 	}
 	for _, t := range w.targets {
-		if t.probe && (t.probing != nil || t.open || len(t.pending) > 0) {
+		if t.oneAtATime() && (t.probing != nil || t.open || len(t.pending) > 0) {
 			return true
 		}
 	}
@@ -392,7 +404,21 @@ func (w *Writer) Drop() []*Msg {
 	for _, t := range w.targets {
 		t.held, t.pending, t.open, t.msgs = nil, nil, false, nil
 	}
+	w.freeSlots()
 	return q
+}
+
+// freeSlots gives back the slot of every atomic batch w still has open (it stops): the slots are
+// shared by every writer of the stream in the process, and one kept by a writer that is gone
+// would never come back. The server may still hold the batch until its own timeout; a batch
+// that finds the server's limit reached then is refused and sent again, as any.
+func (w *Writer) freeSlots() {
+	for _, t := range w.targets {
+		if t.slot {
+			t.slot = false
+			t.Slots.release()
+		}
+	}
 }
 
 // Send publishes m after everything given before, or queues it: behind a batch that is being
@@ -414,7 +440,7 @@ func (w *Writer) Send(m *Msg) {
 // dispatch sends m to t now, or queues it there.
 func (w *Writer) dispatch(t *target, m *Msg) {
 	switch {
-	case t.probe:
+	case t.oneAtATime():
 		if t.open || t.probing != nil || len(t.pending) > 0 {
 			t.pending = append(t.pending, m)
 			return
@@ -538,7 +564,12 @@ func (w *Writer) reply(parts ...any) string {
 // message sent from an answer or a timer) and this publish: m would then go out on the new
 // connection ahead of what the old one lost. So m is sent only if nothing in flight went out on
 // an older connection; otherwise it fails unsent, like a publish that could not be written, and
-// the round of resends sends it after them.
+// the round of resends sends it after them. Nor is it sent while the connection reconnects: a
+// connection that buffers publishes meanwhile would send it first on the new one, with the old
+// one's generation. What remains is the few statements between these checks and the write: a
+// reconnect that completes there (the writer's goroutine descheduled across all of it) is seen
+// after the write (errConnChanged), when m may be stored ahead already; on a stream written
+// singly that is a reorder the lanes count, as a leader change's; a batch's gap check refuses it.
 func (w *Writer) publish(m *Msg, reply string) {
 	if beforePublish != nil {
 		beforePublish()
@@ -547,6 +578,11 @@ func (w *Writer) publish(m *Msg, reply string) {
 	m.gen, m.at = w.in.generation(), time.Now()
 	if m.gen != w.genSeen && w.sentBefore(m) {
 		m.Err = errConnChanged
+		w.setFailed()
+		return
+	}
+	if !w.in.nc.IsConnected() {
+		m.Err = errNotConnected
 		w.setFailed()
 		return
 	}
