@@ -69,6 +69,7 @@ type Elector struct {
 	goroutines sync.WaitGroup
 
 	// Owned by the loop goroutine.
+	passes   int // the loop's passes, for tests
 	holders  map[int]*holder
 	failures map[int]int       // consecutive Work failures per partition
 	cooldown map[int]time.Time // no claim before this time
@@ -191,8 +192,9 @@ func (e *Elector) loop(ctx context.Context) {
 	defer wake.Stop()
 	ticks := 0
 	for {
+		e.passes++
 		if next := e.reconcile(ctx); !next.IsZero() {
-			wake.Reset(time.Until(next))
+			wake.Reset(max(time.Until(next), minWake))
 		}
 		select {
 		case <-ctx.Done():
@@ -212,6 +214,15 @@ func (e *Elector) loop(ctx context.Context) {
 		}
 	}
 }
+
+// minWake is the soonest the loop wakes itself for a time reconcile asked for. That time can be
+// past already: a key becomes judgeable by this replica's clock "if its own writes go on being
+// heard" (writable.judgeableAt), and while they are not (a control-bucket election, a stalled
+// watch, a replica cut off) the key is not judged when the time comes, and the time stays past.
+// Woken at once for it, the loop ran again at once, for as long as its own writes went unheard:
+// a core spent, and a claim sent each pass for a partition the frozen view showed free. An own
+// write heard kicks the loop anyway.
+const minWake = 100 * time.Millisecond
 
 // resyncTicks is how many safety-net ticks (one per LeaseTTL) pass between unconditional
 // replays of the bucket.
