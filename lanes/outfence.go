@@ -132,14 +132,29 @@ func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec w
 	return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
 }
 
-// controlIncarnation returns the incarnation of the control bucket, read once.
+// controlIncarnation returns the incarnation of the control bucket, read at each claim: a bucket
+// deleted and made again under a running pool starts its revisions (the epochs) from 1, and a
+// record under the incarnation read before would lose to every record of the old bucket's larger
+// epochs (TestFenceRecordAfterTheControlBucketIsRecreated). When the bucket cannot be read, the
+// last incarnation read serves: a record under a stale one is refused (ErrFenced) and the
+// partition is claimed again later, which reads again.
 func (p *Pool) controlIncarnation(ctx context.Context) (string, error) {
+	inc, err := p.readControlIncarnation(ctx) // not under the lock: lanes claimed together read at once
 	p.incMu.Lock()
 	defer p.incMu.Unlock()
-	if p.control != "" {
-		return p.control, nil
+	switch {
+	case err == nil:
+		p.control = inc
+	case p.control == "":
+		return "", err
 	}
-	st, err := p.ctl.Status(ctx)
+	return p.control, nil
+}
+
+func (p *Pool) readControlIncarnation(ctx context.Context) (string, error) {
+	rctx, cancel := context.WithTimeout(ctx, fenceAttemptTimeout)
+	defer cancel()
+	st, err := p.ctl.Status(rctx)
 	if err != nil {
 		return "", fmt.Errorf("lanes: reading bucket %s: %w", p.ctl.Bucket(), err)
 	}
@@ -147,8 +162,7 @@ func (p *Pool) controlIncarnation(ctx context.Context) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("lanes: bucket %s: no stream info in its status", p.ctl.Bucket())
 	}
-	p.control = wire.Incarnation(bs.StreamInfo().Created)
-	return p.control, nil
+	return wire.Incarnation(bs.StreamInfo().Created), nil
 }
 
 // Fences returns the fences of the running lane of partition p in its output streams, nil when

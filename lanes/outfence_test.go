@@ -13,6 +13,7 @@ import (
 	"github.com/kvmapper/kvmapper/internal/kvcas"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -150,4 +151,64 @@ func TestTakeoverWritesTheFenceRecords(t *testing.T) {
 	if after.State.LastSeq != before.State.LastSeq {
 		t.Errorf("OUTGOING went from sequence %d to %d while the older owner ran, want nothing written", before.State.LastSeq, after.State.LastSeq)
 	}
+}
+
+// TestFenceRecordAfterTheControlBucketIsRecreated: the control bucket deleted and made again under
+// a running pool starts its lease revisions, the owners' epochs, from 1 again. A lane of the same
+// pool that claims a partition in the new bucket, at an epoch far below its predecessor's, must
+// write its fence record under the new bucket's incarnation, which supersedes every record of the
+// old one: under the incarnation the pool read first, the old owner's larger epoch fenced it at
+// once, at every claim, until the new bucket's revisions passed the old ones.
+func TestFenceRecordAfterTheControlBucketIsRecreated(t *testing.T) {
+	f := newFixture(t)
+	fenced := f.fenceStreams()
+	dev := "dev-f"
+	p := subjects.Partition(dev, 16)
+	f.groups.set(dev, "g")
+	pool, err := lanes.New(f.js, f.ctl, f.groups.lookup, f.config(lanes.Config{CheckpointInterval: 20 * time.Millisecond, Fences: fenced}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fencedBy := func(epoch uint64) {
+		t.Helper()
+		natstest.Eventually(t, 10*time.Second, func() error {
+			for _, stream := range fenced {
+				if r, _ := f.record(stream, p); r.Epoch != epoch {
+					return fmt.Errorf("%s: record of epoch %d, want %d", stream, r.Epoch, epoch)
+				}
+			}
+			return nil
+		})
+	}
+	stop, _ := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 1000, Owner: "r1"})
+	fencedBy(1000)
+	old, _ := f.record(f.names.Outgoing, p)
+	f.publish([]string{dev}, 3, nil)
+	f.read(f.names.Outgoing, 3+1)
+	stop()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := f.js.DeleteKeyValue(ctx, "kvmapper"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := setup.Ensure(ctx, f.js, f.setupConfig()); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	_, res := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 5, Owner: "r1"})
+	natstest.Eventually(t, 10*time.Second, func() error {
+		select {
+		case err := <-res:
+			t.Fatalf("the lane of the new bucket's epoch 5 stopped: %v", err)
+		default:
+		}
+		for _, stream := range fenced {
+			if r, _ := f.record(stream, p); r.Epoch != 5 || r.Control == old.Control {
+				return fmt.Errorf("%s: record %+v, want epoch 5 under a control incarnation other than %s", stream, r, old.Control)
+			}
+		}
+		return nil
+	})
+	f.publish([]string{dev}, 3, nil)
+	f.read(f.names.Outgoing, 3+1+1+3) // the old record and messages, the new record, the new messages
 }
