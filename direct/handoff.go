@@ -88,6 +88,15 @@ func (l *lane) join(ctx context.Context) error {
 		return errors.Join(errors.New("direct: subscribing to "+l.p.handoffSubject(l.a.Partition)), err)
 	}
 	l.handoff = sub
+	// The next owner announces itself from another connection, as soon as this lane's lease is
+	// gone, which can be right after the join (a lane released while it joins): unflushed, the
+	// subscription may reach the server after that announcement, which then finds no responders,
+	// and the next owner serves beside this lane, which lingers forwarding until HandoffTimeout
+	// (TestReleasedWhileJoiningHandsOver, 1 run in 50 with both cores busy: messages stored twice).
+	if err := l.p.nc.FlushTimeout(l.p.cfg.AnswerTimeout); err != nil {
+		// Reconnecting: the subscription is made again on the new connection.
+		l.log.Debug().Err(err).Msg("flushing the subscription to handoff announcements failed")
+	}
 	return nil
 }
 
