@@ -49,6 +49,7 @@ type netOptions struct {
 
 func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netCluster {
 	t.Helper()
+	requireNetns(t) // before building nats-server, so that a skip costs nothing
 	var o netOptions
 	if len(opts) > 0 {
 		o = opts[0]
