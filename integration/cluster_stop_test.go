@@ -16,8 +16,10 @@ import (
 // detector; under it only the pause is bounded). The waits and gaps it logs are the figures of
 // docs/cluster.md.
 func TestClusterRollingStop(t *testing.T) {
+	t.Parallel()
 	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
 		t.Run(string(sl), func(t *testing.T) {
+			t.Parallel() // a cluster of its own per layout
 			devices := deviceNames("dev-", 100)
 			e := newClusterEnv(t, sl, devices)
 			t.Logf("leaders: %s", leadersOf(e.replication()))

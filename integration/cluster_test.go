@@ -74,6 +74,7 @@ func (e *clusterEnv) newGenerator(devices []string, rate int) *generator {
 // or UNMAPPED's leader included: the lanes write them in atomic batches), and no partition may
 // change owner.
 func TestClusterRidesThroughNodeLoss(t *testing.T) {
+	t.Parallel() // a cluster of its own; most of the time is elections waited out
 	start := time.Now()
 	devices := deviceNames("dev-", 100)
 	e := newClusterEnv(t, subjects.SingleStream, devices)
@@ -201,6 +202,7 @@ func TestClusterRidesThroughNodeLoss(t *testing.T) {
 // one replica), restarted after missing writes, then setup spreading the leaders again. Nothing may be lost, duplicated or reordered, and no partition may
 // change owner.
 func TestClusterRidesThroughNodeLossPartitionStreams(t *testing.T) {
+	t.Parallel()
 	start := time.Now()
 	devices := deviceNames("dev-", 100)
 	e := newClusterEnv(t, subjects.PartitionStreams, devices)

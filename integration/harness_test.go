@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -35,7 +36,18 @@ var bin string
 // raceReport starts what the race detector prints when it finds a data race.
 const raceReport = "WARNING: DATA RACE"
 
+// parallelScenarios is how many scenarios marked parallel run at once when `go test` is not
+// told (-parallel): most of their time is spent waiting out elections, lease TTLs and slow links
+// (a 3-node cluster scenario used a third of one core), so more of them than the 2 cores the
+// default allows keeps the README's `go test ./...` within minutes. Under the race detector,
+// whose servers are several times slower, the default stands.
+const parallelScenarios = 4
+
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if !raceEnabled && !flagSet("test.parallel") {
+		_ = flag.Set("test.parallel", strconv.Itoa(parallelScenarios))
+	}
 	dir, err := os.MkdirTemp("", "kvmapper-integration")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -62,6 +74,12 @@ func TestMain(m *testing.M) {
 		}
 	}
 	os.Exit(code)
+}
+
+// flagSet says whether the command line set the flag called name.
+func flagSet(name string) (set bool) {
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 // checkRaces fails t when a kvmapper process's output holds a race detector's report. A
@@ -122,8 +140,12 @@ func newEnvIn(t *testing.T, sl subjects.StreamLayout) *env {
 // eachLayout runs test as one subtest per stream layout, each on a server of its own.
 func eachLayout(t *testing.T, test func(t *testing.T, e *env)) {
 	t.Helper()
+	t.Parallel() // the scenario and its layouts run beside other parallel scenarios
 	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
-		t.Run(string(sl), func(t *testing.T) { test(t, newEnvIn(t, sl)) })
+		t.Run(string(sl), func(t *testing.T) {
+			t.Parallel() // each layout on a server of its own
+			test(t, newEnvIn(t, sl))
+		})
 	}
 }
 

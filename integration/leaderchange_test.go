@@ -21,8 +21,12 @@ import (
 // during every leader change the replicas' in-flight publishes are sampled, and the test fails
 // as proving nothing unless most of the changes struck publishes in flight.
 func TestOutgoingLeaderChangesKeepOrder(t *testing.T) {
+	t.Parallel()
 	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
-		t.Run(string(sl), func(t *testing.T) { outgoingLeaderChanges(t, sl) })
+		t.Run(string(sl), func(t *testing.T) {
+			t.Parallel() // a cluster of its own per layout
+			outgoingLeaderChanges(t, sl)
+		})
 	}
 }
 
