@@ -85,7 +85,10 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 			logs := &logBuf{}
 			r, err := replica.New(context.Background(), data, replica.Config{
 				ID: "r", Setup: scfg, Control: control,
-				Lanes:    lanes.Config{Layout: lay},
+				// A short drain: the shared case ends with its link full, and with the default
+				// 10 s drain its lanes took longer than the ReleaseTimeout (drain + 10 s) to
+				// return, were abandoned and ran on past the test (goleak saw one).
+				Lanes:    lanes.Config{Layout: lay, DrainTimeout: time.Second},
 				Election: election.Config{RenewInterval: 500 * time.Millisecond},
 				Logger:   zerolog.New(logs).Level(zerolog.WarnLevel),
 			})

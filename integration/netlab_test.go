@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -65,17 +66,30 @@ func requireNetns(t *testing.T) {
 	}
 }
 
+var (
+	labStart sync.Once
+	labBase  [2]byte
+	labNet   int
+	labSeq   atomic.Int64
+)
+
 // newNetLab builds the switch and the test's own host, and registers the teardown. It skips the
 // test unless KVMAPPER_NETNS=1 (requireNetns).
 func newNetLab(t *testing.T) *netLab {
 	t.Helper()
 	requireNetns(t)
-	var b [2]byte
-	_, _ = rand.Read(b[:])
-	a, _ := rand.Int(rand.Reader, big.NewInt(50))
-	c, _ := rand.Int(rand.Reader, big.NewInt(250))
-	l := &netLab{t: t, prefix: "k" + hex.EncodeToString(b[:]), hosts: map[string]*labHost{}, next: 1,
-		net: fmt.Sprintf("10.%d.%d.", 200+a.Int64(), 1+c.Int64())}
+	// Labs run side by side (t.Parallel): the ones of one test process take consecutive /24s
+	// and names from a start drawn at random, so that they never share one, and two test
+	// processes on one machine almost never do.
+	labStart.Do(func() {
+		_, _ = rand.Read(labBase[:])
+		n, _ := rand.Int(rand.Reader, big.NewInt(50*250))
+		labNet = int(n.Int64())
+	})
+	seq := int(labSeq.Add(1))
+	n := (labNet + seq) % (50 * 250)
+	l := &netLab{t: t, prefix: "k" + hex.EncodeToString(labBase[:]) + strconv.Itoa(seq), hosts: map[string]*labHost{}, next: 1,
+		net: fmt.Sprintf("10.%d.%d.", 200+n/250, 1+n%250)}
 	l.sw = l.prefix + "sw"
 	t.Cleanup(l.teardown)
 	l.ip("netns", "add", l.sw)
