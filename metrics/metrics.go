@@ -117,6 +117,7 @@ type Metrics struct {
 	gap          prometheus.Histogram
 	tableUpdates *prometheus.CounterVec
 	fenced       prometheus.Counter
+	fenceFails   prometheus.Counter
 }
 
 // New returns Metrics that read src at every scrape. It registers the Go runtime and process
@@ -156,6 +157,10 @@ func New(src Source, cfg Config) (*Metrics, error) {
 			Name: "kvmapper_fenced_total",
 			Help: "Partitions this replica stopped because it lost their lease or a newer owner fenced them, instead of handing them over (alert on any).",
 		}),
+		fenceFails: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmapper_fence_write_failures_total",
+			Help: "Partitions this replica released because it could not write their fence record in an output stream (a full stream, one that does not capture its fence subjects, a refusal): the partition does not map until a replica can (alert on any).",
+		}),
 	}
 	for _, c := range []string{ChangeAcquired, ChangeReleased} {
 		m.changes.WithLabelValues(c)
@@ -179,7 +184,7 @@ func New(src Source, cfg Config) (*Metrics, error) {
 		return 1
 	})
 	for _, c := range []prometheus.Collector{
-		m.changes, m.gap, m.tableUpdates, m.fenced, build, ready,
+		m.changes, m.gap, m.tableUpdates, m.fenced, m.fenceFails, build, ready,
 		&collector{m: m},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -209,6 +214,10 @@ func (m *Metrics) ObserveOwnership(change string, unowned time.Duration) {
 // ObserveFenced records that this replica stopped a partition because it lost the lease or a
 // newer owner fenced it: the partition was not handed over.
 func (m *Metrics) ObserveFenced() { m.fenced.Inc() }
+
+// ObserveFenceWriteFailure records that this replica released a partition because it could not
+// write the partition's fence record in one of its output streams.
+func (m *Metrics) ObserveFenceWriteFailure() { m.fenceFails.Inc() }
 
 // ObserveTableUpdate records one live change of the groups table: a put, or a delete when
 // deleted is true. It is cheap enough for the table's watch goroutine.

@@ -130,7 +130,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 		"kvmapper_partitions_owned", `kvmapper_ownership_changes_total{change="acquired"} 0`, "kvmapper_unowned_gap_seconds_bucket",
 		"kvmapper_table_devices 1", "kvmapper_table_revision 1", `kvmapper_table_updates_total{op="put"} 0`,
 		`kvmapper_build_info{replica="r0",version="dev"} 1`, "kvmapper_events_dropped_total", "go_goroutines", "process_",
-		"\nkvmapper_ready 1\n", "\nkvmapper_fenced_total 0\n",
+		"\nkvmapper_ready 1\n", "\nkvmapper_fenced_total 0\n", "\nkvmapper_fence_write_failures_total 0\n",
 	} {
 		if !strings.Contains(body, name) {
 			t.Errorf("GET /metrics lacks %q", name)
@@ -152,6 +152,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.ObserveOwnership(metrics.ChangeAcquired, 1500*time.Millisecond)
+	m.ObserveFenceWriteFailure()
 	devPart := fmt.Sprintf(`kvmapper_partition_checkpoint_sequence{partition="%d"}`, subjects.Partition("dev-1", 4))
 	natstest.Eventually(t, 10*time.Second, func() error {
 		_, body := get(t, hs.URL+"/metrics")
@@ -159,6 +160,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 			"kvmapper_mapped_total 10", `kvmapper_unmapped_total{reason="no-mapping"} 3`, "kvmapper_partitions_owned 4",
 			`kvmapper_table_updates_total{op="put"} 1`, "kvmapper_table_devices 2", devPart,
 			`kvmapper_ownership_changes_total{change="acquired"} 1`, "kvmapper_unowned_gap_seconds_count 1",
+			"\nkvmapper_fence_write_failures_total 1\n",
 		} {
 			if !strings.Contains(body, want) {
 				return fmt.Errorf("GET /metrics lacks %q", want)
