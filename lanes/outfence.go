@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -69,17 +70,32 @@ const fenceAttemptTimeout = 2 * time.Second
 // writes with compare-and-set on its sequence, and starts again when another write got there
 // first (10071, a record or a checked batch in between; 10164, one being applied); a write whose
 // answer is lost is read back and recognised by rec's nonce.
+//
+// The record rolls up its subject (Nats-Rollup: sub, where the stream allows it, as setup makes
+// it): the check needs only the last record, and one record per takeover grew without bound.
+// A stream full of data (discard new: PARKED at its MaxMsgs) refuses even a rollup, which the
+// server stores before it purges: then the partition's old record is purged, which makes room
+// and fences the old owner just as well (its checks name it), and the record written over
+// nothing. A record that cannot be written — refused for good, or unanswered for FenceTimeout —
+// is returned as [ErrFenceWrite]: the lane may not write the stream, and its owner gives the
+// partition up rather than hold it.
 func (l *lane) writeFence(ctx context.Context, stream string, rec wire.FenceRecord) (OutputFence, error) {
 	subject := subjects.FenceSubject(stream, rec.Partition)
 	backoff := l.p.cfg.RetryBackoff
+	deadline := time.Now().Add(l.p.cfg.FenceTimeout)
+	purged := false // the partition's old record was purged to make room
 	for {
-		seq, err := l.tryFenceOutput(ctx, stream, subject, rec)
+		seq, err := l.tryFenceOutput(ctx, stream, subject, rec, &purged)
 		if err == nil {
 			l.log.Debug().Str("stream", stream).Uint64("fence", seq).Msg("output fenced")
 			return OutputFence{Stream: stream, Subject: subject, Seq: seq}, nil
 		}
-		if errors.Is(err, ErrFenced) || ctx.Err() != nil {
+		if errors.Is(err, ErrFenced) || errors.Is(err, ErrFenceWrite) || ctx.Err() != nil {
 			return OutputFence{}, err
+		}
+		if time.Now().After(deadline) {
+			return OutputFence{}, fmt.Errorf("%w: %s, partition %d: no record stored in %v: %w (the stream must capture %s and have a leader: kvmapper setup, nats stream info %s)",
+				ErrFenceWrite, stream, rec.Partition, l.p.cfg.FenceTimeout, err, subjects.FenceFilter(stream), stream)
 		}
 		if !kvcas.IsConflict(err) && !kvcas.InProcess(err) {
 			l.p.warn("output-fence", func(e *zerolog.Event) {
@@ -99,9 +115,19 @@ func (l *lane) writeFence(ctx context.Context, stream string, rec wire.FenceReco
 }
 
 // tryFenceOutput makes one attempt of writeFence and returns the sequence of rec in stream.
-func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec wire.FenceRecord) (uint64, error) {
+// purged says whether an earlier attempt purged the partition's old record to make room.
+func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec wire.FenceRecord, purged *bool) (uint64, error) {
 	rctx, cancel := context.WithTimeout(ctx, fenceAttemptTimeout)
 	defer cancel()
+	s, err := l.p.js.Stream(rctx, stream)
+	if err != nil {
+		return 0, fmt.Errorf("lanes: reading stream %s: %w", stream, err)
+	}
+	sc := s.CachedInfo().Config
+	if !captures(sc.Subjects, subject) {
+		return 0, fmt.Errorf("%w: %s, partition %d: the stream does not capture %s (it captures %v): run kvmapper setup, which adds %s",
+			ErrFenceWrite, stream, rec.Partition, subject, sc.Subjects, subjects.FenceFilter(stream))
+	}
 	var last uint64
 	m, err := kvcas.LastOfSubject(rctx, l.p.js, stream, subject)
 	switch {
@@ -121,6 +147,9 @@ func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec w
 	}
 	msg := nats.NewMsg(subject)
 	msg.Data = rec.Append(nil)
+	if sc.AllowRollup && !sc.DenyPurge {
+		msg.Header.Set(jetstream.MsgRollup, jetstream.MsgRollupSubject)
+	}
 	ack, err := l.p.js.PublishMsg(rctx, msg, jetstream.WithExpectLastSequencePerSubject(last))
 	if err == nil {
 		return ack.Sequence, nil
@@ -128,8 +157,64 @@ func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec w
 	if kvcas.IsConflict(err) || kvcas.InProcess(err) {
 		return 0, err
 	}
-	// No answer: it may have been stored. The next attempt reads it back.
-	return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		// No answer: it may have been stored. The next attempt reads it back.
+		return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
+	}
+	if full(apiErr) {
+		if last == 0 || *purged || sc.DenyPurge {
+			return 0, fmt.Errorf("%w: %s is full (%s) and holds no record of partition %d to make room with: make room in it (`nats stream edit %s` with higher --max-msgs or --max-bytes, or release what it holds); partition %d maps once a record fits",
+				ErrFenceWrite, stream, apiErr.Description, rec.Partition, stream, rec.Partition)
+		}
+		// Purging the old record fences its owner as writing over it would: every write of
+		// that owner checks that the record is still the subject's last. A record written
+		// since (a later owner's) is above last and stays.
+		if err := s.Purge(rctx, jetstream.WithPurgeSubject(subject), jetstream.WithPurgeSequence(last+1)); err != nil {
+			return 0, fmt.Errorf("lanes: purging the old fence record on %s of full stream %s: %w", subject, stream, err)
+		}
+		*purged = true
+		return 0, fmt.Errorf("lanes: %s is full: purged partition %d's old fence record to write the new one: %w", stream, rec.Partition, err)
+	}
+	if apiErr.Code == 503 || apiErr.Code == 429 || apiErr.Code == 408 {
+		return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
+	}
+	return 0, fmt.Errorf("%w: %s refused the fence record of partition %d: %w (check the stream's configuration: kvmapper setup)",
+		ErrFenceWrite, stream, rec.Partition, err)
+}
+
+// full reports whether a stream refused a write for its limits as a whole (discard new): its
+// maximum messages or bytes.
+func full(apiErr *jetstream.APIError) bool {
+	return apiErr.ErrorCode == errCodeStoreFailed &&
+		(strings.Contains(apiErr.Description, storeMaxMsgs) || strings.Contains(apiErr.Description, storeMaxBytes))
+}
+
+// captures reports whether a stream capturing filters stores messages on subject.
+func captures(filters []string, subject string) bool {
+	for _, f := range filters {
+		if matches(f, subject) {
+			return true
+		}
+	}
+	return false
+}
+
+// matches reports whether the subject filter f (with * and > wildcards) matches subject.
+func matches(f, subject string) bool {
+	for {
+		ft, frest, fmore := strings.Cut(f, ".")
+		st, srest, smore := strings.Cut(subject, ".")
+		switch {
+		case ft == ">":
+			return true
+		case ft != "*" && ft != st:
+			return false
+		case !fmore || !smore:
+			return fmore == smore
+		}
+		f, subject = frest, srest
+	}
 }
 
 // controlIncarnation returns the incarnation of the control bucket, read at each claim: a bucket

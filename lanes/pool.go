@@ -115,6 +115,10 @@ type Config struct {
 	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
 	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
 	Fences []string
+	// FenceTimeout bounds how long a lane tries to write a fence record that gets no answer
+	// (its stream without a leader, or unreachable) before it gives the partition up with
+	// [ErrFenceWrite]; a record the stream refuses for good gives it up at once. Default 30s.
+	FenceTimeout time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Park holds devices without a mapping in the PARKED stream until they get one (see
@@ -169,6 +173,7 @@ func (c *Config) setDefaults() error {
 	if c.MaxCheckpointAge == 0 {
 		c.MaxCheckpointAge = time.Minute
 	}
+	c.FenceTimeout = cmp.Or(c.FenceTimeout, 30*time.Second)
 	if c.IncarnationCheck == 0 {
 		c.IncarnationCheck = 2 * time.Second
 	}

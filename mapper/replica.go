@@ -284,6 +284,10 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			if errors.Is(err, fenced) || errors.Is(context.Cause(ctx), election.ErrLeaseLost) {
 				r.metrics.ObserveFenced()
 			}
+			if errors.Is(err, lanes.ErrFenceWrite) {
+				// Returned, the election logs it and releases the lease (the lane wrote nothing).
+				r.metrics.ObserveFenceWriteFailure()
+			}
 		}()
 		// The previous owner may have mapped with group values this replica's table has not
 		// applied yet; mapping before they land would send the partition's next messages back

@@ -14,7 +14,8 @@ import (
 )
 
 // ensureFences makes every replicated output stream (OUTGOING, UNMAPPED, and PARKED when it
-// exists) capture its partitions' fence subjects (subjects.FenceFilter) and take atomic batches,
+// exists) capture its partitions' fence subjects (subjects.FenceFilter), take atomic batches and
+// allow rollups (unless it denies purges),
 // updating a stream that does not yet, and records in the control bucket under [wire.FenceKey]
 // which streams are fenced (docs/design-fencing.md). On one-replica streams, where the lease
 // clock is the fence, it fences nothing and deletes the key: replicas then take a silent owner's
@@ -37,7 +38,7 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 		}
 		return why, nil
 	}
-	var fenced, updated []string
+	var fenced, updated, growing []string
 	for _, name := range streams {
 		s, err := js.Stream(ctx, name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) && name == cfg.Parked {
@@ -51,18 +52,24 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 			continue
 		}
 		filter := subjects.FenceFilter(name)
-		if !slices.Contains(c.Subjects, filter) || !c.AllowAtomicPublish {
+		// A stream that denies purges cannot roll its fence records up: it keeps one per
+		// takeover (the server refuses allow_rollup with deny_purge).
+		rollup := !c.DenyPurge
+		if !slices.Contains(c.Subjects, filter) || !c.AllowAtomicPublish || rollup && !c.AllowRollup {
 			if !slices.Contains(c.Subjects, filter) {
 				c.Subjects = append(c.Subjects, filter)
 			}
-			c.AllowAtomicPublish = true
+			c.AllowAtomicPublish, c.AllowRollup = true, rollup
 			if _, err := js.UpdateStream(ctx, c); err != nil {
 				// Mapping goes on unfenced, with takeovers after the lease TTL.
-				return unfenced(fmt.Sprintf("warning: the output streams are not fenced: making stream %s capture its fence subjects %s and take atomic batches failed: %v "+
-					"(run kvmapper setup as a user allowed $JS.API.STREAM.UPDATE.%s, or `nats stream edit %s --subjects %s`, keeping the subjects it has, and allow atomic batches: allow_atomic)",
+				return unfenced(fmt.Sprintf("warning: the output streams are not fenced: making stream %s capture its fence subjects %s, take atomic batches and roll fence records up failed: %v "+
+					"(run kvmapper setup as a user allowed $JS.API.STREAM.UPDATE.%s, or `nats stream edit %s --subjects %s`, keeping the subjects it has, and allow atomic batches and rollups: allow_atomic, allow_rollup_hdrs)",
 					name, filter, err, name, name, filter))
 			}
 			updated = append(updated, name)
+		}
+		if !rollup {
+			growing = append(growing, name)
 		}
 		fenced = append(fenced, name)
 	}
@@ -80,15 +87,19 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 	if len(updated) > 0 {
 		line += fmt.Sprintf(" (added to %s)", strings.Join(updated, ", "))
 	}
+	if len(growing) > 0 {
+		line += fmt.Sprintf("; warning: %s deny purges, so each keeps one fence record per takeover instead of one per partition (a stream without deny_purge rolls them up)", strings.Join(growing, ", "))
+	}
 	return line, nil
 }
 
-// fenceOutput makes a replicated output stream about to be created capture its fence subjects
-// and take atomic batches, so that a new deployment needs no update (see [ensureFences]).
+// fenceOutput makes a replicated output stream about to be created capture its fence subjects,
+// take atomic batches and allow rollups (each fence record replaces the partition's last), so
+// that a new deployment needs no update (see [ensureFences]).
 func fenceOutput(c *jetstream.StreamConfig) {
 	if c.Replicas > 1 {
 		c.Subjects = append(c.Subjects, subjects.FenceFilter(c.Name))
-		c.AllowAtomicPublish = true
+		c.AllowAtomicPublish, c.AllowRollup = true, true
 	}
 }
 

@@ -14,7 +14,8 @@ import (
 )
 
 // TestEnsureFencesReplicatedOutputs: on a cluster with 3 replicas, setup makes OUTGOING and
-// UNMAPPED capture their fence subjects and take atomic batches, and records them in the control
+// UNMAPPED capture their fence subjects, take atomic batches and allow rollups (each record
+// replaces the partition's last), and records them in the control
 // bucket; an OUTGOING made earlier without them is updated. On one server it fences nothing and
 // records nothing: the lease clock is the fence there.
 func TestEnsureFencesReplicatedOutputs(t *testing.T) {
@@ -41,8 +42,9 @@ func TestEnsureFencesReplicatedOutputs(t *testing.T) {
 				t.Fatal(err)
 			}
 			c := s.CachedInfo().Config
-			if !slices.Contains(c.Subjects, subjects.FenceFilter(name)) || !c.AllowAtomicPublish {
-				t.Errorf("stream %s: subjects %v, allow_atomic %v; want %s captured and atomic batches allowed", name, c.Subjects, c.AllowAtomicPublish, subjects.FenceFilter(name))
+			if !slices.Contains(c.Subjects, subjects.FenceFilter(name)) || !c.AllowAtomicPublish || !c.AllowRollup {
+				t.Errorf("stream %s: subjects %v, allow_atomic %v, allow_rollup_hdrs %v; want %s captured, atomic batches and rollups (of fence records) allowed",
+					name, c.Subjects, c.AllowAtomicPublish, c.AllowRollup, subjects.FenceFilter(name))
 			}
 		}
 		ctl, err := js.KeyValue(ctx, "kvmapper")
