@@ -365,11 +365,11 @@ func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
 	if h == nil && (reason != "" || l.p.cfg.Provenance || lay.NumHeaders() > 0) {
 		h = nats.Header{}
 	}
-	if lay.NumHeaders() > 0 {
-		for k := range h {
-			if lay.IsHeader(k) {
-				delete(h, k)
-			}
+	for k := range h {
+		// A device's Nats-Rollup would act on OUTGOING, which allows rollups for its fence
+		// records (wire.ActsOnStream); its other headers are its own to send.
+		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) {
+			delete(h, k)
 		}
 	}
 	if reason != "" {

@@ -560,9 +560,11 @@ func (l *lane) build(e *entry, d delivery) {
 const expectedPrefix = "Nats-Expected-"
 
 // headers fills e's header map with the consumed message's headers, made fit for OUTGOING: the
-// Nats-Expected-* headers addressed INCOMING and are left out, a device's own Nats-Msg-Id is kept
-// under [wire.HeaderOrigMsgID], and Nats-Msg-Id becomes "<INCOMING>:<sequence>", the same on every
-// owner and every retry, so OUTGOING drops anything sent twice. A header named as one of the
+// Nats-Expected-* headers addressed INCOMING and are left out, as is every header that would make
+// an output stream act on other messages ([wire.ActsOnStream]: a device's Nats-Rollup), a
+// device's own Nats-Msg-Id is kept under [wire.HeaderOrigMsgID], and Nats-Msg-Id becomes
+// "<INCOMING>:<sequence>", the same on every owner and every retry, so OUTGOING drops anything
+// sent twice. A header named as one of the
 // layout's output headers, in any case, is left out: the mapping sets it, and a device cannot
 // pass one off. The consumed message's own map is left as it is; its values are shared, never
 // changed.
@@ -577,7 +579,7 @@ func (l *lane) headers(e *entry) nats.Header {
 		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
 			continue
 		}
-		if lay.NumHeaders() > 0 && lay.IsHeader(k) {
+		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) {
 			continue
 		}
 		hdr[k] = v

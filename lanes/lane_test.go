@@ -269,10 +269,11 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 }
 
 // A header OUTGOING refuses a message for sends it to UNMAPPED as rejected, and the partition goes
-// on: a per-message TTL OUTGOING does not allow (400, err_code 10166) and a rollup it does not
-// allow (500, err_code 10111: the server's code for it is not "bad request";
-// internal/fiprobe TestRollupRefusalIsNotABadRequest pins it). INCOMING allows both here, as a
-// stream of the user's own may.
+// on: a per-message TTL OUTGOING does not allow (400, err_code 10166). A header that would make
+// OUTGOING act on other messages is not passed on at all (wire.ActsOnStream): OUTGOING allows
+// rollups here, as setup makes a replicated one for its fence records, and a device's
+// Nats-Rollup: all would have wiped it. INCOMING allows both here, as a stream of the user's own
+// may.
 func TestRefusedHeadersAreRejected(t *testing.T) {
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		f.groups.set("dev-1", "g")
@@ -286,33 +287,38 @@ func TestRefusedHeadersAreRejected(t *testing.T) {
 		if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
 			t.Fatal(err)
 		}
+		f.fenceStream(f.names.Outgoing)
 		pool, _ := f.run(lanes.Config{RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}, nil)
-		for i, m := range []*nats.Msg{
-			{Subject: "incoming.dev-1.evt"},
-			{Subject: "incoming.dev-1.ttl", Header: nats.Header{"Nats-TTL": {"1m"}}},
-			{Subject: "incoming.dev-1.roll", Header: nats.Header{"Nats-Rollup": {"sub"}}},
-			{Subject: "incoming.dev-1.evt"},
-		} {
+		publish := func(i int, m *nats.Msg) {
+			t.Helper()
 			m.Data = fmt.Appendf(nil, "dev-1:%d", i)
 			if _, err := f.js.PublishMsg(ctx, m); err != nil {
 				t.Fatalf("PublishMsg(%s): %v", m.Subject, err)
 			}
 		}
-		f.waitOrDump(pool, "UNMAPPED", 2, 15*time.Second)
-		for i, dl := range f.read("UNMAPPED", 2) {
-			h := dl.Headers()
-			if h.Get(wire.HeaderReason) != wire.ReasonRejected || h.Get("Nats-Msg-Id") != f.msgID("dev-1", uint64(i+2)) || h.Get(wire.HeaderError) == "" {
-				t.Errorf("dead letter %d: headers %v, want reason rejected, Nats-Msg-Id %s and the server's error", i, h, f.msgID("dev-1", uint64(i+2)))
-			}
+		publish(0, &nats.Msg{Subject: "incoming.dev-1.evt"})
+		publish(1, &nats.Msg{Subject: "incoming.dev-1.ttl", Header: nats.Header{"Nats-TTL": {"1m"}}})
+		publish(2, &nats.Msg{Subject: "incoming.dev-1.roll"})
+		f.read("OUTGOING", 2)
+		// INCOMING rolls its own copy of 2 up; OUTGOING, which stored 2 already, must not.
+		publish(3, &nats.Msg{Subject: "incoming.dev-1.roll", Header: nats.Header{"Nats-Rollup": {"sub"}}})
+		publish(4, &nats.Msg{Subject: "incoming.dev-1.evt"})
+		f.waitOrDump(pool, "OUTGOING", 4, 15*time.Second)
+		dl := f.read("UNMAPPED", 1)[0]
+		if h := dl.Headers(); h.Get(wire.HeaderReason) != wire.ReasonRejected || h.Get("Nats-Msg-Id") != f.msgID("dev-1", 2) || h.Get(wire.HeaderError) == "" {
+			t.Errorf("dead letter: headers %v, want reason rejected, Nats-Msg-Id %s and the server's error", h, f.msgID("dev-1", 2))
 		}
-		out := f.read("OUTGOING", 2)
-		for i, want := range []string{"dev-1:0", "dev-1:3"} {
+		out := f.read("OUTGOING", 4)
+		for i, want := range []string{"dev-1:0", "dev-1:2", "dev-1:3", "dev-1:4"} {
 			if string(out[i].Data()) != want {
 				t.Errorf("OUTGOING[%d] = %q, want %q", i, out[i].Data(), want)
 			}
 		}
-		if st := pool.Stats(); st.Unmapped[wire.ReasonRejected] != 2 {
-			t.Errorf("Stats().Unmapped = %v, want 2 rejected", st.Unmapped)
+		if h := out[2].Headers(); h.Get("Nats-Rollup") != "" {
+			t.Errorf("OUTGOING stored the device's rollup with headers %v, want Nats-Rollup left out", h)
+		}
+		if st := pool.Stats(); st.Unmapped[wire.ReasonRejected] != 1 {
+			t.Errorf("Stats().Unmapped = %v, want 1 rejected", st.Unmapped)
 		}
 	})
 }

@@ -83,7 +83,7 @@ func (r *Replay) headers(e *entry, src source) nats.Header {
 		hdr = make(nats.Header, 4)
 	}
 	for k := range hdr {
-		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) || r.cfg.Layout.IsHeader(k) {
+		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) || r.cfg.Layout.IsHeader(k) || wire.ActsOnStream(k) {
 			delete(hdr, k)
 		}
 	}

@@ -1,5 +1,7 @@
 package wire
 
+import "strings"
+
 // Headers kvmapper sets on the messages it publishes.
 const (
 	HeaderReason    = "KVMapper-Reason"      // why a message went to UNMAPPED (see [Reasons])
@@ -22,3 +24,20 @@ const (
 	HeaderProbe       = "KVMapper-Probe"
 	ProbeDevicePrefix = "kvmapper-probe-"
 )
+
+// ActsOnStream reports whether a header named name, on a message a device sent, would make the
+// stream storing it do more than store that message: roll other messages up (Nats-Rollup), take
+// the message into an atomic batch (Nats-Batch-Id, -Sequence, -Commit), schedule messages
+// (Nats-Schedule…), or count (Nats-Incr). kvmapper passes none of them on to the streams it
+// writes: they allow rollups, for the fence records, and a device's Nats-Rollup: all would wipe
+// one. Names compare in any case.
+func ActsOnStream(name string) bool {
+	const nats = "Nats-"
+	if len(name) < len(nats)+3 || !strings.EqualFold(name[:len(nats)], nats) {
+		return false
+	}
+	rest := name[len(nats):]
+	return strings.EqualFold(rest, "Rollup") || strings.EqualFold(rest, "Incr") ||
+		len(rest) >= len("Batch-") && strings.EqualFold(rest[:len("Batch-")], "Batch-") ||
+		len(rest) >= len("Schedule") && strings.EqualFold(rest[:len("Schedule")], "Schedule")
+}

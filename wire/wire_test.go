@@ -239,3 +239,19 @@ func TestMemberValue(t *testing.T) {
 		})
 	}
 }
+
+func TestActsOnStream(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		want bool
+	}{
+		{"Nats-Rollup", true}, {"nats-rollup", true}, {"Nats-Batch-Id", true}, {"Nats-Batch-Commit", true},
+		{"Nats-Batch-Sequence", true}, {"Nats-Schedule", true}, {"Nats-Schedule-Target", true}, {"Nats-Incr", true},
+		{"Nats-Msg-Id", false}, {"Nats-TTL", false}, {"Nats-Expected-Stream", false}, {"Nats-Rollups", false},
+		{"KVMapper-Epoch", false}, {"Rollup", false}, {"", false},
+	} {
+		if got := wire.ActsOnStream(tc.name); got != tc.want {
+			t.Errorf("ActsOnStream(%q) = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
