@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -69,7 +70,10 @@ func (a *auditor) readParked(ctx context.Context, js jetstream.JetStream) (uint6
 		if err != nil {
 			return 0, fmt.Errorf("audit: reading stream %s: %w", name, err)
 		}
-		if src, seq, ok := a.sourceOf(m.Headers().Get(nats.MsgIdHdr), md.Timestamp.UnixNano()); ok {
+		// A fence record (kvmapper.fence.PARKED.<p>…) is no parked message; it has no id of
+		// INCOMING's either, but is skipped by its subject, as the outputs' are.
+		fence := strings.HasPrefix(m.Subject(), fencePrefix)
+		if src, seq, ok := a.sourceOf(m.Headers().Get(nats.MsgIdHdr), md.Timestamp.UnixNano()); ok && !fence {
 			if inRange, dup := a.mark(src, seq); inRange && !dup {
 				parked++
 			}

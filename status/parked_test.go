@@ -55,3 +55,39 @@ func TestReadCountsParkedDevices(t *testing.T) {
 		}
 	}
 }
+
+// The fence records PARKED holds beside the parked messages (one per partition taken over, on
+// kvmapper.fence.PARKED.>) are no parked messages: status counts only what devices parked.
+func TestParkedCountSkipsFenceRecords(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: layout(t), Names: e.names, Park: &setup.ParkedStream{}}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.js.Stream(ctx, "PARKED")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := s.CachedInfo().Config
+	c.Subjects = append(c.Subjects, subjects.FenceFilter("PARKED"))
+	if _, err := e.js.UpdateStream(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	for p := range 3 {
+		if _, err := e.js.Publish(ctx, subjects.FenceSubject("PARKED", p), []byte(`{"partition":0}`)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if _, err := e.js.Publish(ctx, subjects.ParkedSubject("parked", subjects.Partition("dev-a", partitions), "dev-a"), []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap, err := status.Read(ctx, e.js, status.ReadConfig{Layout: layout(t), Names: e.names, NoStreamLag: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pk := snap.Parked; pk == nil || pk.Messages != 2 || pk.Devices != 1 {
+		t.Errorf("Read().Parked = %+v, want dev-a's 2 messages and no fence record", snap.Parked)
+	}
+}

@@ -340,13 +340,16 @@ func readParked(ctx context.Context, js jetstream.JetStream, cfg ReadConfig, sna
 	if err != nil {
 		return fmt.Errorf("status: reading stream %s: %w", cfg.Parked, err)
 	}
-	pk := &Parked{Stream: cfg.Parked, Messages: info.State.Msgs, Top: []ParkedDevice{}}
+	// The stream's own count would take in the fence records PARKED holds beside the parked
+	// messages (kvmapper.fence.PARKED.>): count what the parked subjects hold.
+	pk := &Parked{Stream: cfg.Parked, Top: []ParkedDevice{}}
 	var all []ParkedDevice
 	for subj, n := range info.State.Subjects {
 		device, p, ok := subjects.ParkedDevice(cfg.ParkedPrefix, subj)
 		if !ok || n == 0 {
 			continue
 		}
+		pk.Messages += n
 		all = append(all, ParkedDevice{Device: device, Partition: p, Messages: n})
 		if p < len(snap.Partitions) {
 			snap.Partitions[p].ParkedDevices++
