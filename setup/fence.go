@@ -113,5 +113,5 @@ func ReadFences(ctx context.Context, ctl jetstream.KeyValue) ([]string, error) {
 	case err != nil:
 		return nil, fmt.Errorf("setup: reading %s in bucket %s: %w", wire.FenceKey, ctl.Bucket(), err)
 	}
-	return strings.Split(string(e.Value()), ","), nil
+	return wire.ParseFences(e.Value()), nil
 }

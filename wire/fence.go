@@ -3,6 +3,7 @@ package wire
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 )
 
 // FenceKey is the control-bucket key that says every output stream of a deployment carries its
@@ -50,4 +51,36 @@ func (r FenceRecord) Supersedes(o FenceRecord) bool {
 		return len(r.Control) > len(o.Control) || len(r.Control) == len(o.Control) && r.Control > o.Control
 	}
 	return r.Epoch > o.Epoch
+}
+
+// checkedVersion starts every [FormatChecked] value: the protocol its writes keep.
+const checkedVersion = "v1 "
+
+// FormatChecked is what a partition's owner advertises on its lease (election's
+// Kvmapper-Lease-Checked header) while its lane writes every output stream it writes (streams)
+// fence-checked, under a fence record it wrote in each: "v1 OUTGOING,UNMAPPED". Only such an owner
+// may be judged dead before its lease expires: its successor's records refuse whatever it still
+// writes. Version 1 is this protocol: atomic batches or singles carrying
+// Nats-Expected-Last-Subject-Sequence on the partition's fence subject in each stream, never a
+// fast-ingest batch.
+func FormatChecked(streams []string) string {
+	return checkedVersion + strings.Join(streams, ",")
+}
+
+// ParseChecked reads a [FormatChecked] value: the streams, and false for anything else (no
+// advertisement, or another version's, which this build cannot vouch for).
+func ParseChecked(v string) ([]string, bool) {
+	rest, ok := strings.CutPrefix(v, checkedVersion)
+	if !ok || rest == "" {
+		return nil, false
+	}
+	return strings.Split(rest, ","), true
+}
+
+// ParseFences reads the value of [FenceKey]: the names of the fenced output streams.
+func ParseFences(v []byte) []string {
+	if len(v) == 0 {
+		return nil
+	}
+	return strings.Split(string(v), ",")
 }

@@ -255,3 +255,18 @@ func TestActsOnStream(t *testing.T) {
 		}
 	}
 }
+
+func TestChecked(t *testing.T) {
+	v := wire.FormatChecked([]string{"OUTGOING", "UNMAPPED"})
+	if v != "v1 OUTGOING,UNMAPPED" {
+		t.Errorf("FormatChecked = %q, want v1 OUTGOING,UNMAPPED", v)
+	}
+	if got, ok := wire.ParseChecked(v); !ok || len(got) != 2 || got[0] != "OUTGOING" || got[1] != "UNMAPPED" {
+		t.Errorf("ParseChecked(%q) = %v, %v", v, got, ok)
+	}
+	for _, bad := range []string{"", "v1 ", "v2 OUTGOING", "OUTGOING"} {
+		if got, ok := wire.ParseChecked(bad); ok {
+			t.Errorf("ParseChecked(%q) = %v, true; want false", bad, got)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -69,13 +70,31 @@ func Latest(ctx context.Context, js jetstream.JetStream, bucket, key string) (*j
 // sequence, read from the stream's leader ($JS.API.STREAM.MSG.GET.<stream>, which only the
 // leader answers; see [Latest] for why), or [ErrNotFound].
 func LastOfSubject(ctx context.Context, js jetstream.JetStream, stream, subject string) (*jetstream.RawStreamMsg, error) {
-	req, err := json.Marshal(struct {
-		LastFor string `json:"last_by_subj"`
-	}{subject})
+	return get(ctx, js, stream, subject, msgGet{LastFor: subject})
+}
+
+// AtSeq returns the message at stream sequence seq of stream, with its headers, read from the
+// stream's leader as [LastOfSubject] reads, or [ErrNotFound] when the stream holds none there
+// (never stored, or removed since). A KV entry's revision is its stream sequence: AtSeq shows
+// the headers of a revision the bucket's watch showed without them.
+func AtSeq(ctx context.Context, js jetstream.JetStream, stream string, seq uint64) (*jetstream.RawStreamMsg, error) {
+	return get(ctx, js, stream, "sequence "+strconv.FormatUint(seq, 10), msgGet{Seq: seq})
+}
+
+// msgGet is a $JS.API.STREAM.MSG.GET request.
+type msgGet struct {
+	Seq     uint64 `json:"seq,omitempty"`
+	LastFor string `json:"last_by_subj,omitempty"`
+}
+
+// get asks stream's leader for the message req names, what the errors call it.
+func get(ctx context.Context, js jetstream.JetStream, stream, what string, req msgGet) (*jetstream.RawStreamMsg, error) {
+	subject := what
+	body, err := json.Marshal(req)
 	if err != nil {
 		return nil, err
 	}
-	m, err := js.Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	m, err := js.Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, body)
 	if err != nil {
 		return nil, fmt.Errorf("kvcas: reading %s in stream %s: %w", subject, stream, err)
 	}

@@ -220,3 +220,32 @@ func TestLatestReadsTheLeader(t *testing.T) {
 		return nil
 	})
 }
+
+// AtSeq shows the headers of a revision, which KV reads leave out, and ErrNotFound for a
+// revision no longer held.
+func TestAtSeq(t *testing.T) {
+	_, js := natstest.Start(t).JetStream(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", History: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg("$KV.b.k")
+	m.Data = []byte("v1")
+	m.Header.Set("X-Test", "one")
+	first, err := js.PublishMsg(ctx, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := kvcas.AtSeq(ctx, js, "KV_b", first.Sequence)
+	if err != nil || string(got.Data) != "v1" || got.Header.Get("X-Test") != "one" || got.Sequence != first.Sequence {
+		t.Fatalf("AtSeq(%d) = %+v, %v; want v1 with its header", first.Sequence, got, err)
+	}
+	if _, err := kv.PutString(ctx, "k", "v2"); err != nil { // history 1: the first is gone
+		t.Fatal(err)
+	}
+	if _, err := kvcas.AtSeq(ctx, js, "KV_b", first.Sequence); !errors.Is(err, kvcas.ErrNotFound) {
+		t.Errorf("AtSeq(a revision replaced) = %v, want ErrNotFound", err)
+	}
+}
