@@ -39,8 +39,10 @@ type unanswered struct {
 	slot    slot      // the partition as the view showed it at the first attempt, for the log
 	retry   time.Time // when the loop tries it again
 	// over is the revision a takeover writes over: the last write of a lease judged dead
-	// ([Config.JudgedExpiry]); 0 for a claim of a free partition.
-	over uint64
+	// ([Config.JudgedExpiry]); 0 for a claim of a free partition. checked is what that write
+	// carried in its checkedHeader, for the Lease.
+	over    uint64
+	checked string
 }
 
 // live reports whether a lease stored under c would still be valid by the lease clock.
@@ -75,7 +77,11 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 	if !again || !e.live(c) {
 		c = unanswered{nonce: rand.Text(), sent: e.cfg.Clock(), planned: planned, slot: s}
 		if s.owner != "" {
-			c.over = s.rev // a lease judged dead: taken over only if nobody wrote it since
+			// A lease judged dead: taken over only if nobody wrote it since.
+			c.over = s.rev
+			if a := e.adverts[p]; a.rev == s.rev {
+				c.checked = a.checked
+			}
 		}
 	}
 	// A claim tried again may find the view showing its own lease: log what it was claimed from.
@@ -89,7 +95,7 @@ func (e *Elector) claim(ctx context.Context, p int, s slot, planned bool) {
 		e.log.Debug().Err(err).Int("partition", p).Msg("claim failed")
 		return
 	}
-	l := &Lease{Partition: p, Epoch: rev, clock: e.cfg.Clock}
+	l := &Lease{Partition: p, Epoch: rev, Checked: c.checked, clock: e.cfg.Clock}
 	l.extend(sent, e.cfg.LeaseTTL-e.cfg.Margin)
 	h := &holder{e: e, lease: l, key: key, subject: e.leasePrefix + key, rev: rev, release: make(chan struct{})}
 	if found && l.Valid() && l.remaining() <= e.cfg.RenewInterval {

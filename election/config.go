@@ -58,6 +58,19 @@ type Config struct {
 	// (docs/design-fencing.md). Zero turns it off: a lease then ends only when it is released
 	// or expires on the server. It must be at least twice RenewInterval and below LeaseTTL.
 	JudgedExpiry time.Duration
+	// Checked, when set, says what the work of a held lease (its partition and epoch) vouches
+	// for: called before every renewal, its answer goes on the renewal in the
+	// Kvmapper-Lease-Checked header ("" sends none). The lanes say there which output streams the
+	// partition's lane writes fence-checked (wire.FormatChecked). It must be cheap and safe for
+	// concurrent use.
+	Checked func(partition int, epoch uint64) string
+	// Judge, when set, says whether a lease whose last write carried checked in its
+	// Kvmapper-Lease-Checked header ("" when none) may be judged dead after JudgedExpiry: its
+	// owner's writes are refused once this replica takes the partition over. Any other lease is
+	// left to expire on the server. nil judges every lease: the work's every output refuses a
+	// deposed owner whatever its build. It is called from the Elector's loop; it must be cheap
+	// and safe for concurrent use.
+	Judge func(checked string) bool
 	// ReleaseTimeout bounds how long the Elector waits for a Work to return after cancelling it,
 	// on release and on shutdown. Default 30s.
 	ReleaseTimeout time.Duration

@@ -81,7 +81,10 @@ type Elector struct {
 	released []int
 	// unanswered are the claims whose outcome is not known yet, by partition (see claim).
 	unanswered map[int]unanswered
-	settle     settle
+	// adverts are what the last write of a lease judged silent carried in its checkedHeader,
+	// by partition, read once per revision (see mayJudge).
+	adverts map[int]advert
+	settle  settle
 }
 
 // settle tracks the start-up wait for the member set to settle; owned by the loop goroutine.
@@ -122,6 +125,7 @@ func New(js jetstream.JetStream, bucket jetstream.KeyValue, work Work, cfg Confi
 		failures:      make(map[int]int),
 		cooldown:      make(map[int]time.Time),
 		unanswered:    make(map[int]unanswered),
+		adverts:       make(map[int]advert),
 		stallLog:      ratelog.Limiter{Every: time.Minute},
 	}
 	e.owned.Store(&[]int{})
@@ -270,6 +274,42 @@ func (e *Elector) judgeable(own writable, h heard) time.Time {
 	return own.judgeableAt(h, e.cfg.JudgedExpiry)
 }
 
+// advert is what one write of a lease carried in its checkedHeader.
+type advert struct {
+	rev     uint64
+	checked string
+	judge   bool // Config.Judge accepted it
+}
+
+// mayJudge reports whether partition p's lease, silent at revision s.rev for JudgedExpiry, may
+// be taken over before it expires ([Config.Judge]): what its owner's last write vouched for is
+// read from the bucket's leader (the watch does not show headers), once per revision. A read
+// that fails says no, until the next pass reads again.
+func (e *Elector) mayJudge(ctx context.Context, p int, s slot) bool {
+	if e.cfg.Judge == nil {
+		return true
+	}
+	if a, ok := e.adverts[p]; ok && a.rev == s.rev {
+		return a.judge
+	}
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
+	defer cancel()
+	m, err := kvcas.AtSeq(rctx, e.js, "KV_"+e.kv.Bucket(), s.rev)
+	if err != nil {
+		// Gone (written since, or expired): the watch shows what came after.
+		e.log.Debug().Err(err).Int("partition", p).Uint64("revision", s.rev).Msg("reading a silent lease's last write failed")
+		return false
+	}
+	a := advert{rev: s.rev, checked: m.Header.Get(checkedHeader)}
+	a.judge = m.Subject == e.leasePrefix+wire.LeaseKey(p) && e.cfg.Judge(a.checked)
+	e.adverts[p] = a
+	if !a.judge {
+		e.log.Info().Int("partition", p).Str("owner", s.owner).Str("checked", a.checked).
+			Msg("owner silent for the judged expiry, but its writes are not known to be refused after a takeover (it does not advertise fence-checked writes this replica can vouch for, as an older build): leaving its lease to expire")
+	}
+	return a.judge
+}
+
 // kickLoop wakes the loop without blocking.
 func (e *Elector) kickLoop() {
 	select {
@@ -323,6 +363,10 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 			owners[p] = inTransit
 		case s.owner == "":
 		case e.judged(own, h):
+			if !e.mayJudge(ctx, p, s) {
+				// Left to expire on the server: its purge marker wakes the loop.
+				continue
+			}
 			owners[p] = ""
 			slots[p].freeSince = e.judgeable(own, h)
 		default:

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvmapper/kvmapper/election"
+	"github.com/kvmapper/kvmapper/internal/kvcas"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -27,6 +28,7 @@ type runs struct {
 type run struct {
 	replica string
 	epoch   uint64
+	checked string // Lease.Checked
 	at      time.Time
 	ended   time.Time
 	cause   error
@@ -37,7 +39,7 @@ func newRuns() *runs { return &runs{started: map[int][]run{}} }
 func (rs *runs) work(id string) election.Work {
 	return func(ctx context.Context, l *election.Lease) error {
 		rs.mu.Lock()
-		rs.started[l.Partition] = append(rs.started[l.Partition], run{replica: id, epoch: l.Epoch, at: time.Now()})
+		rs.started[l.Partition] = append(rs.started[l.Partition], run{replica: id, epoch: l.Epoch, checked: l.Checked, at: time.Now()})
 		i := len(rs.started[l.Partition]) - 1
 		rs.mu.Unlock()
 		<-ctx.Done()
@@ -296,4 +298,85 @@ func TestDeafMemberIsLeftOutOfTheQuotas(t *testing.T) {
 
 	deafSince.Store(nil)
 	natstest.Eventually(t, 10*time.Second, ownsCount(a, P/2, P/2))
+}
+
+// TestJudgeOnlyOwnersItVouchesFor: a silent owner is judged dead early only when the last write
+// of its lease carried, in its Kvmapper-Lease-Checked header (Config.Checked), what the judge's
+// Config.Judge accepts; others keep their lease until it expires. c advertises "ok" on its
+// renewals, a nothing (a build from before the advertisement); both are cut off from the bucket
+// at once. b takes c's partitions after about JudgedExpiry, each Lease naming what c vouched
+// for, and leaves a's alone: nothing says a's writes would be refused after a takeover.
+func TestJudgeOnlyOwnersItVouchesFor(t *testing.T) {
+	const P = 6
+	srv := natstest.Start(t)
+	_, js := srv.JetStream(t)
+	newBucket(t, js)
+	rs := newRuns()
+	judge := func(c *election.Config) {
+		judgedConfig(c)
+		c.Judge = func(checked string) bool { return checked == "ok" }
+	}
+	drops := map[string]*natstest.Dropper{"a": {}, "c": {}}
+	reps := map[string]*replica{}
+	for _, id := range []string{"a", "b", "c"} {
+		mods := []func(*election.Config){judge}
+		if id == "c" {
+			mods = append(mods, func(c *election.Config) {
+				c.Checked = func(int, uint64) string { return "ok" }
+			})
+		}
+		nc, rjs := srv.JetStream(t)
+		if d := drops[id]; d != nil {
+			nc, rjs = srv.JetStream(t, nats.SetCustomDialer(d))
+		}
+		reps[id] = runReplica(t, nc, rjs, id, P, rs.work(id), mods...)
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		natstest.Eventually(t, 10*time.Second, ownsCount(reps[id], P/3, P/3))
+	}
+	unchecked, checked := reps["a"].e.Owned(), reps["c"].e.Owned()
+	// A claim carries no header: c's leases vouch once c renewed them.
+	natstest.Eventually(t, 5*time.Second, func() error {
+		for _, p := range checked {
+			m, err := kvcas.Latest(context.Background(), js, bucket, wire.LeaseKey(p))
+			if err != nil {
+				return err
+			}
+			if got := m.Header.Get("Kvmapper-Lease-Checked"); got != "ok" {
+				return fmt.Errorf("lease %d's last write carries Kvmapper-Lease-Checked %q, want c's ok", p, got)
+			}
+		}
+		return nil
+	})
+	for _, d := range drops {
+		d.Drop("$KV." + bucket + ".")
+	}
+	cut := time.Now()
+	natstest.Eventually(t, 3*judgedAfter+time.Second, func() error {
+		owned := reps["b"].e.Owned()
+		for _, p := range checked {
+			if !slices.Contains(owned, p) {
+				return fmt.Errorf("b owns %v, not yet c's partition %d", owned, p)
+			}
+		}
+		return nil
+	})
+	took := time.Since(cut)
+	if took > judgedTTL/2 {
+		t.Fatalf("b took c's partitions %v after the cut, near their TTL: the test proves nothing", took)
+	}
+	for _, p := range checked {
+		if r := rs.last(p); r.replica != "b" || r.checked != "ok" {
+			t.Errorf("partition %d: last run by %s with Lease.Checked %q, want b's, naming what c vouched for", p, r.replica, r.checked)
+		}
+	}
+	// a's went silent as long ago, longer than JudgedExpiry: b must have judged and left them.
+	for _, p := range reps["b"].e.Owned() {
+		if slices.Contains(unchecked, p) {
+			t.Errorf("b took a's partition %d %v after a went silent, before its lease (%v) expired: a vouched for nothing", p, took, judgedTTL)
+		}
+	}
+	for _, d := range drops {
+		d.Drop("")
+	}
 }

@@ -22,6 +22,11 @@ type Lease struct {
 	// Epoch is the KV revision of lease.<p> when this replica claimed it. It grows with every
 	// claim of the partition by anyone, so it is a fencing token; it does not change on renewal.
 	Epoch uint64
+	// Checked is, for a lease taken over from an owner judged dead ([Config.JudgedExpiry]),
+	// what that owner's last write of it carried in its Kvmapper-Lease-Checked header
+	// ([Config.Checked]), which [Config.Judge] accepted: the work must refuse that owner's
+	// writes as it vouched (the lanes fence every stream it named). "" for any other claim.
+	Checked string
 
 	clock  func() time.Duration // the Elector's lease clock (Config.Clock); immutable
 	expiry atomic.Int64         // reading of clock at which Valid turns false
@@ -197,6 +202,11 @@ func (h *holder) run(parent context.Context) exit {
 // from another one by a process with the same id.
 const epochHeader = "Kvmapper-Lease-Epoch"
 
+// checkedHeader carries, on a renewal, what the lease's work vouches for ([Config.Checked]):
+// other replicas judge a silent owner dead early only when its last write carried what their
+// [Config.Judge] accepts.
+const checkedHeader = "Kvmapper-Lease-Checked"
+
 // renew extends the lease key's TTL with a compare-and-set on its latest revision. kv.Update
 // and kv.Put would drop the per-key TTL, so it publishes to the key's subject itself. It waits
 // for an answer until the next renewal is due, and never past the lease clock, so that after an
@@ -253,6 +263,11 @@ func (h *holder) publishRenewal(ctx context.Context) (time.Duration, *jetstream.
 	msg := nats.NewMsg(h.subject)
 	msg.Data = []byte(e.cfg.ReplicaID)
 	msg.Header.Set(epochHeader, strconv.FormatUint(h.lease.Epoch, 10))
+	if e.cfg.Checked != nil {
+		if c := e.cfg.Checked(h.lease.Partition, h.lease.Epoch); c != "" {
+			msg.Header.Set(checkedHeader, c)
+		}
+	}
 	sent := e.cfg.Clock()
 	if !h.pending {
 		h.pending, h.pendingSince = true, sent
