@@ -8,11 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
+	"github.com/kvmapper/kvmapper/wire"
 )
 
 // fenceStream makes stream capture its fence subjects, take atomic batches and roll its fence
@@ -160,4 +162,134 @@ func TestFullParkedStillFencesOrGivesUp(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the lane of a partition PARKED has no room to fence still holds it 10s later")
 	}
+}
+
+// fenceOver writes, from outside the pool, a later owner's fence record (epoch) for partition p
+// in stream over the last one, as a successor's takeover does, and returns its sequence.
+func (f *fixture) fenceOver(stream string, p int, epoch uint64) uint64 {
+	f.t.Helper()
+	_, last := f.record(stream, p)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	rec := wire.FenceRecord{Partition: p, Epoch: epoch, Owner: "successor", Control: "zzzzzzzzzzzzz", Nonce: "n"}
+	m := nats.NewMsg(subjects.FenceSubject(stream, p))
+	m.Data = rec.Append(nil)
+	ack, err := f.js.PublishMsg(ctx, m, jetstream.WithExpectLastSequencePerSubject(last))
+	if err != nil {
+		f.t.Fatalf("writing a successor's fence record: %v", err)
+	}
+	return ack.Sequence
+}
+
+// TestFencedStreamNeverWrittenInFastBatches: a fenced stream that allows fast-ingest batches
+// (OUTGOING edited to one replica: allow_batched beside allow_atomic) is written in atomic
+// batches all the same, each checking the lane's fence. A fast batch carries no fence: the lane
+// went on storing its messages after a successor's record, where a checked write is refused and
+// the lane stops (ErrFenced), having stored nothing after it.
+func TestFencedStreamNeverWrittenInFastBatches(t *testing.T) {
+	f := newFixture(t)
+	fenced := []string{f.names.Outgoing, f.names.Unmapped}
+	for _, s := range fenced {
+		f.fenceStream(s)
+	}
+	dev := "dev-b"
+	p := subjects.Partition(dev, f.lay.Partitions)
+	f.groups.set(dev, "g")
+	pool := f.newPool(lanes.Config{Fences: fenced})
+	_, res := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 10, Owner: "r10"})
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if len(pool.Fences(p)) != len(fenced) {
+			return errors.New("the lane has not fenced its outputs yet")
+		}
+		return nil
+	})
+	if modes := pool.WriteModes(); modes[f.names.Outgoing] != "batch" {
+		t.Fatalf("OUTGOING's mode %q, want batch (fast ingest) for an unfenced lane: the test proves nothing", modes[f.names.Outgoing])
+	}
+	f.publish([]string{dev}, 3, nil)
+	f.read(f.names.Outgoing, 1+3)
+	at := f.fenceOver(f.names.Outgoing, p, 20)
+	f.publishFrom([]string{dev}, 3, 3, nil)
+	var runErr error
+	natstest.Eventually(t, 10*time.Second, func() error {
+		select {
+		case runErr = <-res:
+			return nil
+		default:
+		}
+		if after := f.count(f.names.Outgoing) - 1 - 3 - 1; after > 0 {
+			return nil // stored after the successor's record: checked below
+		}
+		return errors.New("the lane neither stopped nor stored anything after its successor's record")
+	})
+	for _, m := range f.readFirst(f.names.Outgoing, f.count(f.names.Outgoing)) {
+		if md, _ := m.Metadata(); md.Sequence.Stream > at {
+			t.Errorf("OUTGOING stored %q (epoch %s) at %d, after the successor's record at %d: a fenced stream was written unchecked",
+				m.Data(), m.Headers().Get(wire.HeaderEpoch), md.Sequence.Stream, at)
+		}
+	}
+	if runErr != nil && !errors.Is(runErr, lanes.ErrFenced) {
+		t.Errorf("Run() = %v, want ErrFenced", runErr)
+	}
+}
+
+// TestPoolVouchesOnlyForCheckedWrites: a lane vouches, for its lease (Pool.Checked), that it
+// writes checked only when it fenced every stream it writes; a pool judges (Pool.CanJudge) only
+// an owner that vouched for every stream it writes and fences itself, and an Unfenced pool
+// (the drill standing for a build before fencing) neither vouches nor judges. The fenced streams
+// are read again while the pool runs (Config.RefreshFences): lanes started after the record of
+// them was dropped fence nothing and vouch for nothing.
+func TestPoolVouchesOnlyForCheckedWrites(t *testing.T) {
+	f := newFixture(t)
+	both := []string{f.names.Outgoing, f.names.Unmapped}
+	for _, s := range both {
+		f.fenceStream(s)
+	}
+	want := wire.FormatChecked(both)
+	vouches := func(pool *lanes.Pool, p int, fenced int) string {
+		t.Helper()
+		stop, _ := runLane(t, pool, lanes.Assignment{Partition: p, Epoch: 10, Owner: "r"})
+		defer stop()
+		natstest.Eventually(t, 10*time.Second, func() error {
+			if len(pool.Partitions()) == 0 {
+				return errors.New("the lane is not running yet")
+			}
+			return nil
+		})
+		if n := len(pool.Fences(p)); n != fenced {
+			t.Errorf("partition %d: %d streams fenced, want %d", p, n, fenced)
+		}
+		if got := pool.Checked(p, 11); got != "" {
+			t.Errorf("Checked(%d, another epoch) = %q, want nothing", p, got)
+		}
+		return pool.Checked(p, 10)
+	}
+
+	fenced := f.newPool(lanes.Config{Fences: both})
+	if got := vouches(fenced, 1, 2); got != want {
+		t.Errorf("a lane that fenced both outputs: Checked = %q, want %q", got, want)
+	}
+	if !fenced.CanJudge(want) || fenced.CanJudge(wire.FormatChecked([]string{f.names.Outgoing})) || fenced.CanJudge("") || fenced.CanJudge("v2 OUTGOING,UNMAPPED") {
+		t.Errorf("CanJudge: want true for %q only", want)
+	}
+	if got := vouches(f.newPool(lanes.Config{Fences: both[:1]}), 2, 1); got != "" {
+		t.Errorf("a lane that fenced OUTGOING only: Checked = %q, want nothing: it writes UNMAPPED unchecked", got)
+	}
+	unfenced := f.newPool(lanes.Config{Fences: both, Unfenced: true})
+	if got := vouches(unfenced, 3, 0); got != "" || unfenced.CanJudge(want) {
+		t.Errorf("Unfenced: Checked = %q, CanJudge = %v; want nothing, false", got, unfenced.CanJudge(want))
+	}
+	dropped := f.newPool(lanes.Config{Fences: both, RefreshFences: func(context.Context) ([]string, error) { return nil, nil }})
+	if got := vouches(dropped, 4, 0); got != "" {
+		t.Errorf("after the fenced streams' record was dropped: Checked = %q, want nothing", got)
+	}
+	// A takeover from an owner judged dead fences what that owner vouched for all the same.
+	stop, _ := runLane(t, dropped, lanes.Assignment{Partition: 5, Epoch: 10, Owner: "r", Fence: both})
+	defer stop()
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if n := len(dropped.Fences(5)); n != 2 {
+			return fmt.Errorf("a takeover told to fence %v fenced %d streams", both, n)
+		}
+		return nil
+	})
 }

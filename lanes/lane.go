@@ -126,8 +126,11 @@ type lane struct {
 	deletes sync.WaitGroup
 
 	// fences are the lane's fences in its output streams, by stream name, written before the
-	// lane started publishing (see outfence.go); nil when none is fenced.
-	fences map[string]OutputFence
+	// lane started publishing (see outfence.go); nil when none is fenced. fenceOrder holds them
+	// in the order they were written; checked is what the lane vouches for ([Pool.Checked]).
+	fences     map[string]OutputFence
+	fenceOrder []OutputFence
+	checked    string
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -14,7 +15,6 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmapper/kvmapper/internal/kvcas"
-	"github.com/kvmapper/kvmapper/ordered"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -29,13 +29,25 @@ type OutputFence struct {
 	Seq             uint64
 }
 
-// fenceOutputs writes the lane's fence record on the partition's fence subject in each stream of
-// Config.Fences, before the lane writes anything, and keeps the sequence of each in l.fences.
-// After it, a stream refuses every checked write of an earlier owner. It returns [ErrFenced]
-// when a stream already holds the record of a later owner than this lane's (it has been taken
-// over since it claimed), and retries anything else with backoff until ctx ends.
+// fenceOutputs writes the lane's fence record on the partition's fence subject in each stream
+// it fences — those of Config.Fences (as last read: Config.RefreshFences) and of the
+// Assignment's Fence — before the lane writes anything, and keeps the sequence of each in
+// l.fences. After it, a stream refuses every checked write of an earlier owner. It returns
+// [ErrFenced] when a stream already holds the record of a later owner than this lane's (it has
+// been taken over since it claimed), [ErrFenceWrite] when a record cannot be written, and
+// retries anything else with backoff until ctx ends. It then says what the lane vouches for
+// (l.checked, see [Pool.Checked]).
 func (l *lane) fenceOutputs(ctx context.Context) error {
-	if len(l.p.cfg.Fences) == 0 {
+	if l.p.cfg.Unfenced {
+		return nil
+	}
+	streams := l.p.fenceSet(ctx)
+	for _, s := range l.a.Fence {
+		if !slices.Contains(streams, s) {
+			streams = append(streams, s)
+		}
+	}
+	if len(streams) == 0 {
 		return nil
 	}
 	control, err := l.p.controlIncarnation(ctx)
@@ -43,9 +55,9 @@ func (l *lane) fenceOutputs(ctx context.Context) error {
 		return err
 	}
 	rec := wire.FenceRecord{Partition: l.a.Partition, Epoch: l.a.Epoch, Owner: l.a.Owner, Control: control, Nonce: rand.Text()}
-	fences := make([]OutputFence, len(l.p.cfg.Fences))
+	fences := make([]OutputFence, len(streams))
 	g, gctx := errgroup.WithContext(ctx)
-	for i, stream := range l.p.cfg.Fences {
+	for i, stream := range streams {
 		g.Go(func() error {
 			f, err := l.writeFence(gctx, stream, rec)
 			fences[i] = f
@@ -55,10 +67,21 @@ func (l *lane) fenceOutputs(ctx context.Context) error {
 	if err := g.Wait(); err != nil {
 		return err
 	}
+	l.fenceOrder = fences
 	l.fences = make(map[string]OutputFence, len(fences))
 	for _, f := range fences {
 		l.fences[f.Stream] = f
 	}
+	// Every stream the lane writes fenced, and its writers check every write (newWriter
+	// never writes a fenced stream in fast-ingest batches): its writes after a successor's
+	// records are refused, and the others may judge it dead early.
+	written := l.p.written()
+	for _, s := range written {
+		if _, ok := l.fences[s]; !ok {
+			return nil
+		}
+	}
+	l.checked = wire.FormatChecked(written)
 	return nil
 }
 
@@ -258,38 +281,79 @@ func (p *Pool) Fences(partition int) []OutputFence {
 	defer p.lanesMu.Unlock()
 	for l := range p.lanes {
 		if l.a.Partition == partition {
-			var out []OutputFence
-			for _, stream := range p.cfg.Fences {
-				if f, ok := l.fences[stream]; ok {
-					out = append(out, f)
-				}
-			}
-			return out
+			return slices.Clone(l.fenceOrder)
 		}
 	}
 	return nil
 }
 
-// WritesChecked reports whether every write of the pool's lanes to a fenced output stream
-// carries the check of its lane's fence (docs/design-fencing.md, "Every write"), so that a
-// stream refuses a deposed owner's writes: only then may owners be judged dead before their
-// leases expire. That is so when every fenced stream is written in atomic batches (package
-// ordered puts the check on the first message of each, and on every message it sends alone);
-// single publishes and fast-ingest batches carry no exact fence on a replicated stream. It reads
-// the streams' configurations (ctx bounds it) unless the lanes read them lately.
-func (p *Pool) WritesChecked(ctx context.Context) bool {
-	if len(p.cfg.Fences) == 0 || p.cfg.Singles {
+// Checked returns what the running lane of partition under epoch vouches for, to be advertised
+// on the partition's lease (election.Config.Checked): [wire.FormatChecked] of the streams it
+// writes when it wrote its fence record in each and checks it on every write, so that whatever
+// it writes after a successor's records is refused; "" otherwise (a stream unfenced, the lane
+// not running yet, [Config.Unfenced]). It is fixed for the lane's life: its writers never write
+// a fenced stream unchecked. Safe for concurrent use, and cheap.
+func (p *Pool) Checked(partition int, epoch uint64) string {
+	p.lanesMu.Lock()
+	defer p.lanesMu.Unlock()
+	for l := range p.lanes {
+		if l.a.Partition == partition && l.a.Epoch == epoch {
+			return l.checked
+		}
+	}
+	return ""
+}
+
+// CanJudge reports whether a silent owner whose lease vouched for checked ([Pool.Checked], on
+// that owner's replica) may be taken over by this pool before its lease expires
+// (election.Config.Judge): checked is this protocol's, and names every output stream this pool
+// writes and every stream it fences. A lane taking the partition over then fences every stream
+// checked names (Assignment.Fence), whose records refuse what that owner still writes. A pool
+// that writes no fence records ([Config.Unfenced]) judges nobody. Safe for concurrent use.
+func (p *Pool) CanJudge(checked string) bool {
+	if p.cfg.Unfenced {
 		return false
 	}
-	outs := p.outputs(ctx)
-	modes := map[string]ordered.Mode{}
-	for _, o := range outs {
-		modes[o.Name] = o.Mode
+	streams, ok := wire.ParseChecked(checked)
+	if !ok {
+		return false
 	}
-	for _, name := range p.cfg.Fences {
-		if modes[name] != ordered.ModeAtomic {
+	p.modes.mu.Lock()
+	fences := p.modes.fences
+	p.modes.mu.Unlock()
+	for _, s := range append(p.written(), fences...) {
+		if !slices.Contains(streams, s) {
 			return false
 		}
 	}
 	return true
+}
+
+// CanFence reports whether the pool's lanes fence every output stream they write, as far as
+// ctx lets it read the fence record and the streams now: whether its owners will advertise
+// checked writes ([Pool.Checked]) and so may be judged dead early.
+func (p *Pool) CanFence(ctx context.Context) bool {
+	if p.cfg.Unfenced {
+		return false
+	}
+	fences := p.fenceSet(ctx)
+	for _, s := range p.written() {
+		if !slices.Contains(fences, s) {
+			return false
+		}
+	}
+	return true
+}
+
+// Unfenced reports whether the pool runs the [Config.Unfenced] drill.
+func (p *Pool) Unfenced() bool { return p.cfg.Unfenced }
+
+// written returns the output streams the pool's lanes write: OUTGOING, UNMAPPED and, where it
+// parks or drains, PARKED.
+func (p *Pool) written() []string {
+	out := []string{p.cfg.Outgoing, p.cfg.Unmapped}
+	if p.cfg.Park.Stream != "" {
+		out = append(out, p.cfg.Park.Stream)
+	}
+	return out
 }

@@ -34,6 +34,10 @@ type Assignment struct {
 	Valid func() bool
 	// Owner is the replica id that holds the lease, written in the lane's fence records.
 	Owner string
+	// Fence are output streams the lane must fence whatever Config.Fences says: those the
+	// owner it took over from vouched for (election.Lease.Checked), judged dead before its lease
+	// expired. A stream it cannot fence ends the lane ([ErrFenceWrite]).
+	Fence []string
 }
 
 // Config tunes a [Pool]. Zero fields mean the defaults given.
@@ -115,6 +119,17 @@ type Config struct {
 	// (subjects.FenceSubject, wire.FenceRecord) when it takes the partition over, before it
 	// writes anything to them: the streams setup recorded under wire.FenceKey. Empty: none.
 	Fences []string
+	// RefreshFences, when set, reads the fenced streams again (the control bucket's record of
+	// them, which setup writes and may drop): the pool calls it when it reads the streams'
+	// modes, every 10 s, and fences what it returns from then on. An error keeps what was read
+	// last.
+	RefreshFences func(ctx context.Context) ([]string, error)
+	// Unfenced is a drill: the lanes write no fence records and check no fence, as a kvmapper
+	// from before the output fences does, so that a test (or a game day) can run the replicas of
+	// a rolling upgrade across the fencing change with one build. Never in production: a replica
+	// taken over while it still writes would write beside its successor until its lease clock
+	// runs out.
+	Unfenced bool
 	// FenceTimeout bounds how long a lane tries to write a fence record that gets no answer
 	// (its stream without a leader, or unreachable) before it gives the partition up with
 	// [ErrFenceWrite]; a record the stream refuses for good gives it up at once. Default 30s.

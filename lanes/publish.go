@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -34,7 +35,13 @@ type writeModes struct {
 	mu    sync.Mutex
 	at    time.Time
 	modes map[string]ordered.Mode
-	slots map[string]*ordered.Slots
+	// atomic says which streams allow atomic batches: a fenced stream is written in them rather
+	// than in fast-ingest batches, which carry no fence (see newWriter).
+	atomic map[string]bool
+	slots  map[string]*ordered.Slots
+	// fences are the fenced streams as last read (Config.Fences, then Config.RefreshFences);
+	// set once the modes were first read.
+	fences []string
 }
 
 // modesTTL is how long the pool trusts the modes it read.
@@ -48,7 +55,24 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.modes == nil || time.Since(m.at) > modesTTL {
+		if m.modes == nil {
+			m.fences = p.cfg.Fences
+		}
+		if p.cfg.RefreshFences != nil {
+			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			fences, err := p.cfg.RefreshFences(rctx)
+			cancel()
+			switch {
+			case err != nil:
+				p.log.Debug().Err(err).Msg("reading the fenced streams failed; fencing those read before")
+			case !slices.Equal(fences, m.fences):
+				p.log.Info().Strs("fenced", fences).Strs("before", m.fences).
+					Msg("the fenced output streams changed: partitions taken from now on fence these")
+				m.fences = fences
+			}
+		}
 		modes := make(map[string]ordered.Mode, len(names))
+		atomic := make(map[string]bool, len(names))
 		for _, name := range names {
 			if name == "" {
 				continue
@@ -58,6 +82,7 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 				rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 				if s, err := p.js.Stream(rctx, name); err == nil {
 					mode = ordered.ModeFor(s.CachedInfo().Config)
+					atomic[name] = s.CachedInfo().Config.AllowAtomicPublish
 				}
 				cancel()
 			}
@@ -66,7 +91,7 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 			}
 			modes[name] = mode
 		}
-		m.modes, m.at = modes, time.Now()
+		m.modes, m.atomic, m.at = modes, atomic, time.Now()
 		if m.slots == nil {
 			m.slots = make(map[string]*ordered.Slots)
 		}
@@ -82,13 +107,54 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 			out[i].Mode = ordered.ModeSingle
 		}
 		if out[i].Mode == ordered.ModeAtomic {
-			if m.slots[name] == nil {
-				m.slots[name] = ordered.NewSlots(p.cfg.MaxOpenBatches)
-			}
-			out[i].Slots = m.slots[name]
+			out[i].Slots = m.slotsLocked(name, p.cfg.MaxOpenBatches)
 		}
 	}
 	return out
+}
+
+// slotsLocked returns the slots of stream name's atomic batches, shared by the pool's lanes;
+// m.mu is held.
+func (m *writeModes) slotsLocked(name string, n int) *ordered.Slots {
+	if m.slots == nil {
+		m.slots = make(map[string]*ordered.Slots)
+	}
+	if m.slots[name] == nil {
+		m.slots[name] = ordered.NewSlots(n)
+	}
+	return m.slots[name]
+}
+
+// slots returns the slots of stream name's atomic batches.
+func (p *Pool) slots(name string) *ordered.Slots {
+	p.modes.mu.Lock()
+	defer p.modes.mu.Unlock()
+	return p.modes.slotsLocked(name, p.cfg.MaxOpenBatches)
+}
+
+// fenceSet returns the output streams new lanes fence, read again with the modes.
+func (p *Pool) fenceSet(ctx context.Context) []string {
+	p.outputs(ctx)
+	p.modes.mu.Lock()
+	defer p.modes.mu.Unlock()
+	return slices.Clone(p.modes.fences)
+}
+
+// checkedMode returns how a fenced stream written in mode is written instead, so that every write
+// carries the lane's fence: fast-ingest batches carry none (a check on a batch's first message
+// fences that message alone, docs/design-fencing.md finding 2), so the stream takes atomic
+// batches where it allows them, else checked single publishes, one at a time.
+func (p *Pool) checkedMode(name string, mode ordered.Mode) ordered.Mode {
+	if mode != ordered.ModeBatch {
+		return mode
+	}
+	p.modes.mu.Lock()
+	atomic := p.modes.atomic[name]
+	p.modes.mu.Unlock()
+	if atomic {
+		return ordered.ModeAtomic
+	}
+	return ordered.ModeSingle
 }
 
 func modeWhy(m ordered.Mode) string {
@@ -171,6 +237,12 @@ func (l *lane) startWriter(ctx context.Context) (func(), error) {
 func (l *lane) newWriter(ctx context.Context, n int) *ordered.Writer {
 	outs := l.p.outputs(ctx)[:n]
 	for i := range outs {
+		if _, fenced := l.fences[outs[i].Name]; fenced {
+			outs[i].Mode = l.p.checkedMode(outs[i].Name, outs[i].Mode)
+			if outs[i].Mode == ordered.ModeAtomic && outs[i].Slots == nil {
+				outs[i].Slots = l.p.slots(outs[i].Name)
+			}
+		}
 		if n < 3 && outs[i].Mode == ordered.ModeBatch {
 			outs[i].Mode = ordered.ModeSingle
 		}

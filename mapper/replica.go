@@ -128,30 +128,37 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 }
 
 // DefaultJudgedExpiry is how long of writable time an owner may stay silent on a replicated
-// control bucket before the others take its partitions over, when every output stream is fenced
-// and the lanes check the fence on every write (election.Config.JudgedExpiry).
+// control bucket before the others take its partitions over, when its lanes vouch, on its
+// leases, that they write every output stream fence-checked (election.Config.JudgedExpiry,
+// lanes.Pool.Checked).
 const DefaultJudgedExpiry = 2 * time.Second
 
 // judgedExpiry returns the judged expiry to run with: the configured one, or
-// [DefaultJudgedExpiry] when it is safe and worth it — a replicated control bucket, whose 15 s
-// lease TTL a takeover would otherwise wait for, and writes that the output streams fence
-// (setup recorded the fences, and the lanes check them on every write) — else 0 (off). A judged
-// expiry asked for where the writes are not fenced is refused: it would let a deposed owner
-// write beside its successor.
+// [DefaultJudgedExpiry] where it is worth it — a replicated control bucket, whose 15 s lease TTL
+// a takeover would otherwise wait for — else 0 (off). It is safe whatever the other replicas
+// run: an owner is judged only when its last renewal vouches that the output streams refuse what
+// it writes after a takeover (election.Config.Judge, lanes.Pool.CanJudge), which an older build,
+// a replica whose streams are not all fenced, or one writing unchecked never does; the others
+// keep their lease TTL. A judged expiry asked for where this replica cannot fence (direct mode,
+// lanes.Config.Unfenced) is refused.
 func judgedExpiry(ctx context.Context, controlReplicas int, ecfg election.Config, pool engine, log zerolog.Logger) (time.Duration, error) {
 	lp, ok := pool.(*lanes.Pool)
-	checked := ok && lp.WritesChecked(ctx)
+	canFence := ok && !lp.Unfenced()
 	if ecfg.JudgedExpiry != 0 {
-		if !checked {
-			return 0, fmt.Errorf("%w: a judged expiry needs output streams that refuse a deposed owner: stream mode, fences recorded by setup on a cluster, and a writer that checks them", ErrInvalidConfig)
+		if !canFence {
+			return 0, fmt.Errorf("%w: a judged expiry needs output streams that refuse a deposed owner: stream mode, and lanes that write fence records", ErrInvalidConfig)
 		}
 		return ecfg.JudgedExpiry, nil
 	}
-	if controlReplicas < 2 || !checked {
+	if controlReplicas < 2 || !canFence {
 		return 0, nil
 	}
-	log.Info().Dur("judged_expiry", DefaultJudgedExpiry).
-		Msg("output streams fenced: a replica silent for this long while the control bucket takes writes has its partitions taken over")
+	ev := log.Info().Dur("judged_expiry", DefaultJudgedExpiry)
+	if lp.CanFence(ctx) {
+		ev.Msg("output streams fenced: a replica silent for this long while the control bucket takes writes has its partitions taken over, if its leases say it writes them fence-checked")
+	} else {
+		ev.Msg("judged expiry on for replicas whose leases say they write every output stream fence-checked; this one's streams are not all fenced now (kvmapper setup records them), so its own partitions wait for their lease TTL")
+	}
 	return DefaultJudgedExpiry, nil
 }
 
@@ -245,10 +252,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		// The lanes read the streams setup made: one place says what they are.
 		lcfg.Incoming, lcfg.StreamLayout = names.Incoming, names.StreamLayout
 		lcfg.Outgoing, lcfg.Unmapped = names.Outgoing, names.Unmapped
-		// The output streams setup fenced: each lane writes its record there on takeover.
+		// The output streams setup fenced: each lane writes its record there on takeover. They
+		// are read again while the replica runs: setup may record or drop them meanwhile.
 		if lcfg.Fences, err = setup.ReadFences(ctx, control); err != nil {
 			return nil, err
 		}
+		lcfg.RefreshFences = func(ctx context.Context) ([]string, error) { return setup.ReadFences(ctx, control) }
 		if err := parking(ctx, js, control, &lcfg.Park, names, log); err != nil {
 			return nil, err
 		}
@@ -271,6 +280,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		return nil, err
 	}
 	r.leaseTTL = ecfg.LeaseTTL
+	if lp, ok := pool.(*lanes.Pool); ok {
+		// Leases say what their lanes vouch for; only owners whose leases say they write
+		// fence-checked are judged dead early, and their successor fences what they named.
+		ecfg.Checked, ecfg.Judge = lp.Checked, lp.CanJudge
+	}
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = cfg.Lanes.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
@@ -316,7 +330,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 			}
 		})
 		defer stop()
-		err = pool.Run(lctx, lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID})
+		a := lanes.Assignment{Partition: l.Partition, Epoch: l.Epoch, Valid: l.Valid, Owner: cfg.ID}
+		if l.Checked != "" {
+			a.Fence, _ = wire.ParseChecked(l.Checked) // what the owner judged dead vouched for
+		}
+		err = pool.Run(lctx, a)
 		if errors.Is(err, fenced) && ctx.Err() == nil {
 			// Fenced by its output (a newer owner's record): the lease is that owner's now.
 			return fmt.Errorf("%w: %w", election.ErrLeaseLost, err)
