@@ -566,7 +566,7 @@ func TestFenceRecordsAreNoMessages(t *testing.T) {
 	}
 	record := func(stream string, p int) {
 		r := wire.FenceRecord{Partition: p, Epoch: 3, Owner: "r0", Control: "x", Nonce: "n"}
-		if _, err := e.js.Publish(ctx, subjects.FenceSubject(stream, p), r.Append(nil)); err != nil {
+		if _, err := e.js.Publish(ctx, subjects.FenceSubject(stream, p, "inc"), r.Append(nil)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
+	"github.com/kvmapper/kvmapper/setup"
 	"github.com/kvmapper/kvmapper/subjects"
 	"github.com/kvmapper/kvmapper/wire"
 )
@@ -146,7 +147,7 @@ func TestFullParkedStillFencesOrGivesUp(t *testing.T) {
 	if r, _ := f.record("PARKED", 3); r.Epoch != 11 {
 		t.Errorf("PARKED: partition 3's record is of epoch %d after a takeover while PARKED was full, want 11", r.Epoch)
 	}
-	if n := f.fenceRecords("PARKED")[subjects.FenceSubject("PARKED", 3)]; n != 1 {
+	if n := f.fenceRecords("PARKED")[f.fenceSubject("PARKED", 3)]; n != 1 {
 		t.Errorf("PARKED holds %d records of partition 3, want 1", n)
 	}
 
@@ -172,7 +173,7 @@ func (f *fixture) fenceOver(stream string, p int, epoch uint64) uint64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	rec := wire.FenceRecord{Partition: p, Epoch: epoch, Owner: "successor", Control: "zzzzzzzzzzzzz", Nonce: "n"}
-	m := nats.NewMsg(subjects.FenceSubject(stream, p))
+	m := nats.NewMsg(f.fenceSubject(stream, p))
 	m.Data = rec.Append(nil)
 	ack, err := f.js.PublishMsg(ctx, m, jetstream.WithExpectLastSequencePerSubject(last))
 	if err != nil {
@@ -292,4 +293,66 @@ func TestPoolVouchesOnlyForCheckedWrites(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestRecreatedOutgoingRefusesADeposedOwner: OUTGOING deleted and made again under a running
+// lane starts its sequences from 1, and its next owner's fence record can land at the very
+// sequence the deposed lane's checks expect (both the first message of their stream). The fence
+// subject names the stream's incarnation, so the deposed lane's checks name a subject the new
+// stream holds nothing on, and are refused; before, they passed, and it stored beside its
+// successor.
+func TestRecreatedOutgoingRefusesADeposedOwner(t *testing.T) {
+	f := newFixture(t)
+	fenced := []string{f.names.Outgoing, f.names.Unmapped}
+	for _, s := range fenced {
+		f.fenceStream(s)
+	}
+	dev := "dev-x"
+	p := subjects.Partition(dev, f.lay.Partitions)
+	f.groups.set(dev, "g")
+	deposed := f.newPool(lanes.Config{Fences: fenced})
+	_, res := runLane(t, deposed, lanes.Assignment{Partition: p, Epoch: 10, Owner: "r10"})
+	natstest.Eventually(t, 10*time.Second, func() error {
+		if len(deposed.Fences(p)) != len(fenced) {
+			return errors.New("the lane has not fenced its outputs yet")
+		}
+		return nil
+	})
+	old := deposed.Fences(p)[0]
+	if old.Stream != f.names.Outgoing || old.Seq != 1 {
+		t.Fatalf("the first lane's OUTGOING fence %+v, want the stream's first message: the test proves nothing", old)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := f.js.DeleteStream(ctx, f.names.Outgoing); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := setup.Ensure(ctx, f.js, f.setupConfig()); err != nil {
+		t.Fatalf("setup.Ensure: %v", err)
+	}
+	f.fenceStream(f.names.Outgoing)
+	successor := f.newPool(lanes.Config{Fences: fenced})
+	fenceOnce(t, successor, p, 20, len(fenced))
+	f.publish([]string{dev}, 3, nil)
+
+	natstest.Eventually(t, 10*time.Second, func() error {
+		select {
+		case err := <-res:
+			if !errors.Is(err, lanes.ErrFenced) {
+				t.Errorf("the deposed lane's Run() = %v, want ErrFenced", err)
+			}
+			return nil
+		default:
+		}
+		if f.count(f.names.Outgoing) > 1 {
+			return nil // stored: checked below
+		}
+		return errors.New("the deposed lane neither stopped nor stored anything")
+	})
+	for _, m := range f.readFirst(f.names.Outgoing, f.count(f.names.Outgoing)) {
+		if m.Headers().Get(wire.HeaderEpoch) == "10" {
+			t.Errorf("the re-created OUTGOING stored %q of the deposed epoch 10 after its successor's record", m.Data())
+		}
+	}
 }

@@ -103,15 +103,14 @@ const fenceAttemptTimeout = 2 * time.Second
 // is returned as [ErrFenceWrite]: the lane may not write the stream, and its owner gives the
 // partition up rather than hold it.
 func (l *lane) writeFence(ctx context.Context, stream string, rec wire.FenceRecord) (OutputFence, error) {
-	subject := subjects.FenceSubject(stream, rec.Partition)
 	backoff := l.p.cfg.RetryBackoff
 	deadline := time.Now().Add(l.p.cfg.FenceTimeout)
-	purged := false // the partition's old record was purged to make room
+	purged := "" // the subject whose old record was purged to make room
 	for {
-		seq, err := l.tryFenceOutput(ctx, stream, subject, rec, &purged)
+		f, err := l.tryFenceOutput(ctx, stream, rec, &purged)
 		if err == nil {
-			l.log.Debug().Str("stream", stream).Uint64("fence", seq).Msg("output fenced")
-			return OutputFence{Stream: stream, Subject: subject, Seq: seq}, nil
+			l.log.Debug().Str("stream", stream).Str("subject", f.Subject).Uint64("fence", f.Seq).Msg("output fenced")
+			return f, nil
 		}
 		if errors.Is(err, ErrFenced) || errors.Is(err, ErrFenceWrite) || ctx.Err() != nil {
 			return OutputFence{}, err
@@ -137,16 +136,25 @@ func (l *lane) writeFence(ctx context.Context, stream string, rec wire.FenceReco
 	}
 }
 
-// tryFenceOutput makes one attempt of writeFence and returns the sequence of rec in stream.
-// purged says whether an earlier attempt purged the partition's old record to make room.
-func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec wire.FenceRecord, purged *bool) (uint64, error) {
+// tryFenceOutput makes one attempt of writeFence and returns rec's fence in stream: the fence
+// subject of the stream's incarnation as read now, and the sequence of rec on it. purged names
+// the subject an earlier attempt purged the partition's old record on, to make room.
+func (l *lane) tryFenceOutput(ctx context.Context, stream string, rec wire.FenceRecord, purged *string) (OutputFence, error) {
 	rctx, cancel := context.WithTimeout(ctx, fenceAttemptTimeout)
 	defer cancel()
 	s, err := l.p.js.Stream(rctx, stream)
 	if err != nil {
-		return 0, fmt.Errorf("lanes: reading stream %s: %w", stream, err)
+		return OutputFence{}, fmt.Errorf("lanes: reading stream %s: %w", stream, err)
 	}
 	sc := s.CachedInfo().Config
+	subject := subjects.FenceSubject(stream, rec.Partition, wire.Incarnation(s.CachedInfo().Created))
+	seq, err := l.fenceOn(rctx, s, sc, subject, rec, purged)
+	return OutputFence{Stream: stream, Subject: subject, Seq: seq}, err
+}
+
+// fenceOn writes rec on subject in stream s, configured as sc, for tryFenceOutput.
+func (l *lane) fenceOn(rctx context.Context, s jetstream.Stream, sc jetstream.StreamConfig, subject string, rec wire.FenceRecord, purged *string) (uint64, error) {
+	stream := sc.Name
 	if !captures(sc.Subjects, subject) {
 		return 0, fmt.Errorf("%w: %s, partition %d: the stream does not capture %s (it captures %v): run kvmapper setup, which adds %s",
 			ErrFenceWrite, stream, rec.Partition, subject, sc.Subjects, subjects.FenceFilter(stream))
@@ -186,7 +194,7 @@ func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec w
 		return 0, fmt.Errorf("lanes: writing the fence record on %s: %w", subject, err)
 	}
 	if full(apiErr) {
-		if last == 0 || *purged || sc.DenyPurge {
+		if last == 0 || *purged == subject || sc.DenyPurge {
 			return 0, fmt.Errorf("%w: %s is full (%s) and holds no record of partition %d to make room with: make room in it (`nats stream edit %s` with higher --max-msgs or --max-bytes, or release what it holds); partition %d maps once a record fits",
 				ErrFenceWrite, stream, apiErr.Description, rec.Partition, stream, rec.Partition)
 		}
@@ -196,7 +204,7 @@ func (l *lane) tryFenceOutput(ctx context.Context, stream, subject string, rec w
 		if err := s.Purge(rctx, jetstream.WithPurgeSubject(subject), jetstream.WithPurgeSequence(last+1)); err != nil {
 			return 0, fmt.Errorf("lanes: purging the old fence record on %s of full stream %s: %w", subject, stream, err)
 		}
-		*purged = true
+		*purged = subject
 		return 0, fmt.Errorf("lanes: %s is full: purged partition %d's old fence record to write the new one: %w", stream, rec.Partition, err)
 	}
 	if apiErr.Code == 503 || apiErr.Code == 429 || apiErr.Code == 408 {

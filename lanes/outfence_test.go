@@ -40,12 +40,24 @@ func (f *fixture) fenceStreams() []string {
 	return names
 }
 
+// fenceSubject is partition p's fence subject in stream as it is now (its incarnation).
+func (f *fixture) fenceSubject(stream string, p int) string {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := f.js.Stream(ctx, stream)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return subjects.FenceSubject(stream, p, wire.Incarnation(s.CachedInfo().Created))
+}
+
 // record reads partition p's last fence record in stream, with its sequence.
 func (f *fixture) record(stream string, p int) (wire.FenceRecord, uint64) {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	m, err := kvcas.LastOfSubject(ctx, f.js, stream, subjects.FenceSubject(stream, p))
+	m, err := kvcas.LastOfSubject(ctx, f.js, stream, f.fenceSubject(stream, p))
 	if errors.Is(err, kvcas.ErrNotFound) {
 		return wire.FenceRecord{}, 0
 	}
@@ -100,8 +112,8 @@ func TestTakeoverWritesTheFenceRecords(t *testing.T) {
 		if r.Epoch != 10 || r.Owner != "r10" || r.Partition != p || r.Control == "" || seq == 0 {
 			t.Errorf("%s: record %+v at %d, want epoch 10 of r10 for partition %d", stream, r, seq, p)
 		}
-		if fe := first.Fences(p)[i]; fe.Stream != stream || fe.Subject != subjects.FenceSubject(stream, p) {
-			t.Errorf("Fences(%d)[%d] = %+v, want stream %s, subject %s", p, i, fe, stream, subjects.FenceSubject(stream, p))
+		if fe := first.Fences(p)[i]; fe.Stream != stream || fe.Subject != f.fenceSubject(stream, p) {
+			t.Errorf("Fences(%d)[%d] = %+v, want stream %s, subject %s", p, i, fe, stream, f.fenceSubject(stream, p))
 		}
 		want = append(want, seq)
 	}

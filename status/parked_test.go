@@ -74,7 +74,7 @@ func TestParkedCountSkipsFenceRecords(t *testing.T) {
 		t.Fatal(err)
 	}
 	for p := range 3 {
-		if _, err := e.js.Publish(ctx, subjects.FenceSubject("PARKED", p), []byte(`{"partition":0}`)); err != nil {
+		if _, err := e.js.Publish(ctx, subjects.FenceSubject("PARKED", p, "inc"), []byte(`{"partition":0}`)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -144,11 +144,15 @@ func ParkedDevice(prefix, subject string) (device string, p int, ok bool) {
 // partitions' fence subjects beside their own; the templates' subjects must not overlap them.
 const FencePrefix = "kvmapper.fence"
 
-// FenceSubject is partition p's fence subject in the output stream named stream:
-// "kvmapper.fence.<stream>.<p>". A partition's owner writes its fence record there
-// (wire.FenceRecord) before its first write to the stream, and every later write checks it.
-func FenceSubject(stream string, p int) string {
-	return FencePrefix + "." + stream + "." + strconv.Itoa(p)
+// FenceSubject is partition p's fence subject in the incarnation inc (wire.Incarnation of its
+// creation time) of the output stream named stream: "kvmapper.fence.<stream>.<p>.<inc>". A
+// partition's owner writes its fence record there (wire.FenceRecord) before its first write to
+// the stream, and every later write checks it. The incarnation keeps a stream deleted and made
+// again, whose sequences start from 1, from holding a successor's record at the very sequence
+// a deposed owner's checks expect: they name the old incarnation's subject, on which the new
+// stream holds nothing. (Builds before it wrote "kvmapper.fence.<stream>.<p>".)
+func FenceSubject(stream string, p int, inc string) string {
+	return FencePrefix + "." + stream + "." + strconv.Itoa(p) + "." + inc
 }
 
 // FenceFilter is the subject an output stream named stream captures its fence subjects with.
