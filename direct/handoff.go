@@ -277,6 +277,14 @@ func (l *lane) answer(m *nats.Msg, fenced bool) {
 	if l.p.cfg.Revision != nil {
 		rev = l.p.cfg.Revision()
 	}
+	// Everything forwarded has reached the server before the answer lets the new owner go. The
+	// server reads a connection in order, so it would take the forwards first anyway; the flush
+	// makes sure they left this client, and says so when the connection failed under them
+	// (their publishers get no acknowledgement and retry). Stored they may not be yet: the
+	// streams take them from their queues (docs/modes-and-layouts.md, a stale owner).
+	if err := nc.FlushTimeout(l.p.cfg.AnswerTimeout); err != nil {
+		l.log.Warn().Err(err).Msg("flushing the forwards before answering the new owner failed; answering all the same")
+	}
 	limit := int(min(nc.MaxPayload()/2, 256<<10))
 	var parts [][]byte
 	var part []byte

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -300,4 +301,71 @@ func TestReleasedWhileJoiningHandsOver(t *testing.T) {
 		sent := pubs.halt()
 		inOrder(t, f.stream("OUTGOING"), sent)
 	})
+}
+
+// An owner stopped in the middle of a batch of its queue (SIGSTOP, a long pause) and resumed
+// after its lease ran out reads its lease clock again before its next message, by time, not
+// only every 64 messages: it forwards at most the message it was about to send. Before, it
+// forwarded the rest of the batch (up to 63 messages) beside its successor.
+func TestResumedOwnerChecksItsLeaseByTime(t *testing.T) {
+	f := newFixture(t, wire.ReceiveMapping)
+	f.groups.set("dev-1", "g")
+	const leaseCheck = 10 * time.Millisecond
+	p := f.pool("a", nil, func(c *direct.Config) { c.LeaseCheck = leaseCheck })
+	var valid, hold atomic.Bool
+	valid.Store(true)
+	held, release := make(chan struct{}, 1), make(chan struct{})
+	// A reading of the lease clock that passed, followed by the stop: the call returns once
+	// the test lets it, saying the lease held when it was read.
+	check := func() bool {
+		if hold.CompareAndSwap(true, false) {
+			held <- struct{}{}
+			<-release
+			return true
+		}
+		return valid.Load()
+	}
+	f.run(p, direct.Assignment{Partition: partOf("dev-1"), Epoch: 1, Valid: check})
+	ctx := context.Background()
+	if _, err := f.js.Publish(ctx, "incoming.dev-1.temp", []byte("0")); err != nil {
+		t.Fatalf("Publish under a valid lease: %v", err)
+	}
+	// Hold the lane on message 1's reading while 2..10 queue up behind it.
+	hold.Store(true)
+	// Their acknowledgements are not waited for: the ones dropped get none.
+	if _, err := f.js.PublishAsync("incoming.dev-1.temp", []byte("1")); err != nil {
+		t.Fatal(err)
+	}
+	<-held
+	for i := 2; i <= 10; i++ {
+		if _, err := f.js.PublishAsync("incoming.dev-1.temp", []byte(strconv.Itoa(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	natstest.Eventually(t, 5*time.Second, func() error {
+		if n := p.Stats().Pending; n != 9 {
+			return fmt.Errorf("%d messages queued, want 9", n)
+		}
+		return nil
+	})
+	// The lane stops right after its reading of the clock at the start of batch 2..10.
+	hold.Store(true)
+	release <- struct{}{}
+	<-held
+	valid.Store(false)           // the lease ran out while it was stopped
+	<-time.After(2 * leaseCheck) // not a synchronisation: the length of the stop
+	close(release)
+	natstest.Eventually(t, 5*time.Second, func() error {
+		if n := p.Stats().Pending; n != 0 {
+			return fmt.Errorf("%d messages still queued", n)
+		}
+		return nil
+	})
+	var got []string
+	for _, m := range f.stream("OUTGOING") {
+		got = append(got, string(m.Data()))
+	}
+	if want := []string{"0", "1", "2"}; !slices.Equal(got, want) {
+		t.Errorf("OUTGOING holds %v, want %v: the resumed owner forwards at most the message it was about to send", got, want)
+	}
 }

@@ -19,7 +19,8 @@ import (
 // errReleased ends a lane's serving when its context ends without a fence: it hands over.
 var errReleased = errors.New("direct: partition released")
 
-// validEvery is how many messages a lane forwards between two readings of its lease clock.
+// validEvery is how many messages a lane forwards between two readings of its lease clock, at
+// most (Config.LeaseCheck bounds the time between them too).
 const validEvery = 64
 
 // lane is one partition of a [Pool]. Everything but the subscription callbacks runs on one
@@ -291,7 +292,8 @@ func (l *lane) serve(ctx context.Context) error {
 }
 
 // process forwards one batch of the queue. With checkLease it reads the lease clock every
-// validEvery messages and, once it has run out, drops the rest of the batch (their publishers
+// validEvery messages, and before any message sent more than LeaseCheck after the last reading,
+// and, once it has run out, drops the rest of the batch (their publishers
 // get no acknowledgement and retry) and reports false.
 func (l *lane) process(checkLease bool) bool {
 	batch := l.q.take(l.spare)
@@ -303,12 +305,19 @@ func (l *lane) process(checkLease bool) bool {
 	if l.skip != nil && time.Now().After(l.skipUntil) {
 		l.skip = nil
 	}
+	var checked time.Time
 	for i, m := range batch {
 		if l.cut {
 			return true // recorded is full: the next owner forwards everything from here on
 		}
-		if checkLease && i%validEvery == 0 && !l.valid() {
-			return false
+		if checkLease {
+			// By count, and by time: the clock read costs nanoseconds, the lease clock more.
+			if now := time.Now(); i%validEvery == 0 || now.Sub(checked) > l.p.cfg.LeaseCheck {
+				if !l.valid() {
+					return false
+				}
+				checked = now
+			}
 		}
 		l.handle(m)
 	}
