@@ -326,9 +326,10 @@ func (p *Pool) CanJudge(checked string) bool {
 	if !ok {
 		return false
 	}
-	p.modes.mu.Lock()
-	fences := p.modes.fences
-	p.modes.mu.Unlock()
+	var fences []string
+	if f := p.modes.fences.Load(); f != nil {
+		fences = *f
+	}
 	for _, s := range append(p.written(), fences...) {
 		if !slices.Contains(streams, s) {
 			return false

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -39,9 +40,10 @@ type writeModes struct {
 	// than in fast-ingest batches, which carry no fence (see newWriter).
 	atomic map[string]bool
 	slots  map[string]*ordered.Slots
-	// fences are the fenced streams as last read (Config.Fences, then Config.RefreshFences);
-	// set once the modes were first read.
-	fences []string
+	// fences are the fenced streams as last read (Config.Fences, then Config.RefreshFences),
+	// set once the modes were first read; written under mu, read without it (the election's
+	// loop asks, and must not wait for a refresh's reads).
+	fences atomic.Pointer[[]string]
 }
 
 // modesTTL is how long the pool trusts the modes it read.
@@ -56,7 +58,7 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 	defer m.mu.Unlock()
 	if m.modes == nil || time.Since(m.at) > modesTTL {
 		if m.modes == nil {
-			m.fences = p.cfg.Fences
+			m.fences.Store(&p.cfg.Fences)
 		}
 		if p.cfg.RefreshFences != nil {
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -65,10 +67,10 @@ func (p *Pool) outputs(ctx context.Context) []ordered.Stream {
 			switch {
 			case err != nil:
 				p.log.Debug().Err(err).Msg("reading the fenced streams failed; fencing those read before")
-			case !slices.Equal(fences, m.fences):
-				p.log.Info().Strs("fenced", fences).Strs("before", m.fences).
+			case !slices.Equal(fences, *m.fences.Load()):
+				p.log.Info().Strs("fenced", fences).Strs("before", *m.fences.Load()).
 					Msg("the fenced output streams changed: partitions taken from now on fence these")
-				m.fences = fences
+				m.fences.Store(&fences)
 			}
 		}
 		modes := make(map[string]ordered.Mode, len(names))
@@ -135,9 +137,7 @@ func (p *Pool) slots(name string) *ordered.Slots {
 // fenceSet returns the output streams new lanes fence, read again with the modes.
 func (p *Pool) fenceSet(ctx context.Context) []string {
 	p.outputs(ctx)
-	p.modes.mu.Lock()
-	defer p.modes.mu.Unlock()
-	return slices.Clone(p.modes.fences)
+	return slices.Clone(*p.modes.fences.Load())
 }
 
 // checkedMode returns how a fenced stream written in mode is written instead, so that every write
