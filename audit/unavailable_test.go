@@ -76,6 +76,8 @@ func TestRequestsWaitOutUnavailableJetStream(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			// Each case waits out its own cluster's elections: side by side.
+			t.Parallel()
 			c := natstest.StartCluster(t, 3)
 			admin, err := jetstream.New(c.Connect(t, 0))
 			if err != nil {

@@ -68,6 +68,7 @@ func drain(tr *tracker) {
 // TestBalanceJoinAndKill starts three replicas together, adds a fourth, then kills one: each
 // step ends with every replica owning P/n ± 1 partitions, moving no more than the minimum.
 func TestBalanceJoinAndKill(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const P = 16
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

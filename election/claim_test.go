@@ -286,6 +286,7 @@ func (lc *losingClaim) renewsAndReleases(t *testing.T, l *election.Lease) {
 // which gives up waiting for it: the claimer must read the lease back, recognise its own claim
 // and own the partition at once, not leave the lease to expire unserved.
 func TestClaimAnswerTimedOut(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	lc := startLosingClaim(t, gatedTTL, false)
 	rev, at := lc.stored(t)
 	l := lc.ownedUnder(t, rev, at)
@@ -326,6 +327,7 @@ func TestClaimAnswerLostAndLeaseUnreadable(t *testing.T) {
 // with that id (or a kvmapper older than claim nonces) would make: the stored lease names the
 // claimer but not its claim, and the claimer must leave it alone until it expires.
 func TestClaimOfTheSameIDIsNotTaken(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	lc := startLosingClaim(t, gatedTTL, true, func(c *election.Config) { c.RenewInterval = 500 * time.Millisecond })
 	rev, _ := lc.stored(t)
 	natstest.Eventually(t, gatedTTL, func() error {
@@ -361,6 +363,7 @@ func TestClaimOfTheSameIDIsNotTaken(t *testing.T) {
 // again, of a TTL of 6s less a margin of 400ms): the claimer must renew it at once, or the
 // lease runs out before its first renewal is due.
 func TestClaimFoundLateIsRenewedAtOnce(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const ttl = 6 * time.Second
 	lc := startLosingClaim(t, ttl, true, func(c *election.Config) { c.RenewInterval = 1500 * time.Millisecond })
 	rev, at := lc.stored(t)

@@ -270,6 +270,7 @@ func TestSingleElectorClaimsAllAndReleases(t *testing.T) {
 // TestRenewKeepsLease checks that a renewed lease outlives its TTL many times over with the same
 // epoch and growing revisions.
 func TestRenewKeepsLease(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)

@@ -88,6 +88,7 @@ func judgedConfig(c *election.Config) {
 // owner, once its writes reach the bucket again, finds every one of them taken (ErrLeaseLost).
 // Without JudgedExpiry nothing moves before the TTL.
 func TestJudgedExpiryTakesOverASilentOwner(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const P = 4
 	for _, judged := range []bool{true, false} {
 		name := map[bool]string{true: "judged", false: "off"}[judged]
@@ -162,6 +163,7 @@ func TestJudgedExpiryTakesOverASilentOwner(t *testing.T) {
 // leader), then take them again: no lease may be taken over, since nobody's own writes were
 // stored meanwhile, and none may be lost, since the TTL outlasts the gap.
 func TestJudgedExpiryWaitsForWritableTime(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const P = 4
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

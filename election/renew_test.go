@@ -243,6 +243,7 @@ func (g *gated) releases(t *testing.T) {
 // reconnect (nats.go fails the pending request with ErrDisconnected): the holder's next renewal
 // conflicts with its own, and it must recognise it, adopt the stored revision and keep the lease.
 func TestRenewalAnswerLostInReconnect(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	g := startGated(t)
 	lost := g.loseReply(t)
 	if err := g.r.nc.ForceReconnect(); err != nil {
@@ -257,6 +258,7 @@ func TestRenewalAnswerLostInReconnect(t *testing.T) {
 // holder gave up waiting for it: its next renewal, sent while the lease still holds, conflicts
 // with its own, and it must adopt the stored revision and keep the lease.
 func TestRenewalAnswerTimedOut(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	g := startGated(t)
 	lost := g.loseReply(t)
 	// The gate lets the late answer through when the holder sends its next renewal.
@@ -346,6 +348,7 @@ func TestSameIDWriterIsNotAdopted(t *testing.T) {
 // holder cannot read the lease back: it must not take that for a lost lease, and must adopt the
 // renewal once it can read it, within its lease clock.
 func TestUnreadableLeaseAfterAConflictIsNotLost(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)

@@ -150,6 +150,7 @@ func (c *slowConn) Close() error {
 // with it and adopts it. An adopted renewal must extend the lease from when it was sent, or the
 // lease runs out on the holder's clock although the server renewed it all along.
 func TestSlowRenewalAnswersKeepTheLease(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)

@@ -23,6 +23,7 @@ func (w *openWatcher) Stop() error                             { close(w.stopped
 // A watch whose Updates nats.go never closes must not keep the elector's goroutines (and so
 // Run) from returning: stopWatch drains what is queued and then gives up.
 func TestStopWatchReturnsWhenUpdatesStaysOpen(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	w := &openWatcher{updates: make(chan jetstream.KeyValueEntry, 4), stopped: make(chan struct{})}
 	for range 4 {
 		w.updates <- nil

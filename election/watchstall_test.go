@@ -20,6 +20,7 @@ import (
 // of writable time on it — well before the 10s lease TTL. Without the check a counts no
 // writable time at all, and b's partitions wait for the TTL (and a's frozen watch beyond).
 func TestStalledWatchIsReplaced(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const P = 4
 	c := natstest.StartCluster(t, 3)
 	admin := c.Connect(t, 0)

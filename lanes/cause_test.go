@@ -20,6 +20,7 @@ import (
 // drain, resending what is unacknowledged until DrainTimeout. Nothing is ever acknowledged here:
 // OUTGOING is gone and a silent subscriber counts what the lane sends.
 func TestContextCauseDecidesTheDrain(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	const drain = 10 * time.Second
 	for name, tc := range map[string]struct {
 		cause  error

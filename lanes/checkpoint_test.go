@@ -35,6 +35,7 @@ func (f *fixture) droppingPool(cfg lanes.Config) (*lanes.Pool, *natstest.Dropper
 // answers nothing for seconds; the write gives up after 5s) must not hold the lane up: messages
 // keep being mapped meanwhile, and once the bucket answers again the checkpoint catches up.
 func TestUnansweredCheckpointWriteDoesNotBlockTheLane(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	f := newFixture(t)
 	dev := "dev-1"
 	p := subjects.Partition(dev, 16)

@@ -187,6 +187,7 @@ func TestIdleLaneMapsAtOnce(t *testing.T) {
 // after they are answered again, not after a 10s timeout of nats.go's ordered consumer (which
 // retries one name for ever), and its new consumer must have a new name.
 func TestUnansweredConsumerCreationIsRetried(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	f := newFixture(t)
 	dev := "dev-1"
 	p := subjects.Partition(dev, 16)

@@ -381,6 +381,7 @@ func TestResentMessagesCountAsDuplicates(t *testing.T) {
 }
 
 func TestServerRestartKeepsOrder(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(100)
 		for _, d := range devs {

@@ -31,6 +31,7 @@ func (f *fixture) publishPaced(device string, from, n int, gap time.Duration) {
 // must be stored before anything sent after it, although the publish timeout (5s) is not over
 // when the stream is back.
 func TestSilentStreamKeepsOrder(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	f := newFixture(t)
 	dev := "dev-1"
 	f.groups.set(dev, "g")

@@ -294,6 +294,7 @@ func TestParkMaxAge(t *testing.T) {
 // through and drops the rest, so the release stalls there and purges them; then it drops the
 // purges and lets the release's resends through up to `stored`; then the lease is lost.
 func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
+	t.Parallel() // waits out lease timers on a server of its own
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		const total, purged, stored = 2000, 300, 800
 		cfg := f.parkOn(lanes.Config{}, total, total)
