@@ -97,6 +97,7 @@ type Replica struct {
 	events        *status.Events // nil when disabled
 	metricsListen string
 	version       string
+	partitions    int // the layout's, for the metrics
 	leaseTTL      time.Duration
 	stopping      atomic.Bool // set when Run's context ends, for /readyz
 }
@@ -233,6 +234,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// there is no INCOMING.
 	names := cfg.Setup.Names.WithDefaults()
 	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
+	r.partitions = cfg.Lanes.Layout.Partitions
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
@@ -446,6 +448,7 @@ func (r *Replica) newObservers(cfg Config) error {
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica:         r.id,
 		Version:         r.version,
+		Partitions:      r.partitions,
 		UnmappedReasons: wire.Reasons,
 		Ready:           r.readyErr,
 		Logger:          r.log.With().Str("component", "metrics").Logger(),
