@@ -81,7 +81,7 @@ to the setup Job too, so that setup creates what the replicas expect. The chart'
 this list against the binary's own --help.
 */}}
 {{- define "kvmapper.setupKeys" -}}
-mode layout partitions in out unmapped incoming-stream outgoing-stream unmapped-stream groups-bucket control-bucket parked-stream parked-prefix direct-receive stream-replicas groups-history on-unmapped park-max-per-device park-max-total inbox-prefix connect-timeout reconnect-wait log-level log-format
+mode layout partitions in out header unmapped incoming-stream outgoing-stream unmapped-stream groups-bucket control-bucket parked-stream parked-prefix direct-receive stream-replicas groups-history on-unmapped park-max-per-device park-max-total inbox-prefix connect-timeout reconnect-wait log-level log-format
 {{- end -}}
 
 {{/*
@@ -92,8 +92,20 @@ runs with the same connection and names as the replica.
 */}}
 {{- define "kvmapper.env" -}}
 {{- range $k, $v := . }}
-{{- if and (not (kindIs "invalid" $v)) (ne (toString $v) "") }}
-- name: {{ printf "KVMAPPER_%s" ($k | upper | replace "-" "_") }}
+{{- $name := printf "KVMAPPER_%s" ($k | upper | replace "-" "_") }}
+{{- if kindIs "slice" $v }}
+{{- /* A repeatable flag: kvmapper splits its variable on commas. */ -}}
+{{- range $v }}
+{{- if contains "," (toString .) }}
+{{- fail (printf "config.%s: %q holds a comma, which %s cannot carry (kvmapper splits it on commas)" $k (toString .) $name) }}
+{{- end }}
+{{- end }}
+{{- if $v }}
+- name: {{ $name }}
+  value: {{ join "," $v | quote }}
+{{- end }}
+{{- else if and (not (kindIs "invalid" $v)) (ne (toString $v) "") }}
+- name: {{ $name }}
   value: {{ include "kvmapper.value" $v | quote }}
 {{- end }}
 {{- end }}
