@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -341,7 +342,7 @@ func (p *process) stop(timeout time.Duration) int {
 }
 
 // logValue waits until the process logs a JSON line whose message contains msg and returns
-// that line's field.
+// that line's field (a number as it is written).
 func (p *process) logValue(msg, field string, timeout time.Duration) string {
 	p.t.Helper()
 	deadline := time.Now().Add(timeout)
@@ -352,8 +353,11 @@ func (p *process) logValue(msg, field string, timeout time.Duration) string {
 				continue
 			}
 			if s, _ := m["message"].(string); strings.Contains(s, msg) {
-				if v, ok := m[field].(string); ok {
+				switch v := m[field].(type) {
+				case string:
 					return v
+				case float64:
+					return strconv.FormatFloat(v, 'f', -1, 64)
 				}
 			}
 		}
