@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
@@ -155,8 +156,8 @@ func (p *Pool) Run(ctx context.Context, a Assignment) error {
 	return l.err
 }
 
-// Close waits for the partitions still handing over (at most HandoffTimeout plus an answer),
-// then stops receiving. Call it once every Run has returned; Run fails with [ErrClosed] after it.
+// Close waits for the partitions still handing over (at most [Pool.CloseTimeout]), then stops
+// receiving. Call it once every Run has returned; Run fails with [ErrClosed] after it.
 // It is idempotent.
 func (p *Pool) Close() {
 	p.mu.Lock()
@@ -169,6 +170,15 @@ func (p *Pool) Close() {
 		_ = p.shared.Unsubscribe()
 		p.shared = nil
 	}
+}
+
+// CloseTimeout returns the longest [Pool.Close] waits for a partition whose Run has returned: it
+// asks whether another replica is left to hand it to (AnswerTimeout), forwards until its next
+// owner announces itself (HandoffTimeout), then waits for its handoff marker (AnswerTimeout),
+// settles (HandoffSettle) and flushes its answer (AnswerTimeout). A supervisor's grace period
+// for a stopping replica must cover it beyond the wait for Run.
+func (p *Pool) CloseTimeout() time.Duration {
+	return 3*p.cfg.AnswerTimeout + p.cfg.HandoffTimeout + p.cfg.HandoffSettle
 }
 
 func (p *Pool) forget(l *lane) {

@@ -97,7 +97,9 @@ type Replica struct {
 	events        *status.Events // nil when disabled
 	metricsListen string
 	version       string
+	partitions    int // the layout's, for the metrics
 	leaseTTL      time.Duration
+	stopTimeout   time.Duration
 	stopping      atomic.Bool // set when Run's context ends, for /readyz
 }
 
@@ -126,6 +128,10 @@ func leaseTTL(ctx context.Context, control jetstream.KeyValue, ttl time.Duration
 	}
 	return ttl, replicas, nil
 }
+
+// DirectReleaseTimeout is how long a direct-mode replica waits for a released partition's Run to
+// return (election.Config.ReleaseTimeout) unless configured otherwise.
+const DirectReleaseTimeout = 30 * time.Second
 
 // DefaultJudgedExpiry is how long of writable time an owner may stay silent on a replicated
 // control bucket before the others take its partitions over, when its lanes vouch, on its
@@ -233,6 +239,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 	// there is no INCOMING.
 	names := cfg.Setup.Names.WithDefaults()
 	r.streams = status.StreamNames(names, cfg.Lanes.Layout.Partitions)
+	r.partitions = cfg.Lanes.Layout.Partitions
 	if cfg.Setup.Mode == wire.ModeDirect {
 		r.streams = r.streams[len(names.IncomingStreams(cfg.Lanes.Layout.Partitions)):]
 	}
@@ -246,6 +253,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}
 		pool, fenced = directEngine{r.direct}, direct.ErrFenced
 		catchUp = func(context.Context) error { return nil }
+		if cfg.Election.ReleaseTimeout == 0 {
+			// A released partition's Run returns at once, or once a takeover it was in the middle
+			// of ends (HandoffTimeout); the wait is the election's default, stated here so that
+			// StopTimeout can count it.
+			cfg.Election.ReleaseTimeout = DirectReleaseTimeout
+		}
 	} else {
 		lcfg := cfg.Lanes
 		lcfg.Logger = log.With().Str("component", "lanes").Logger()
@@ -285,6 +298,12 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		// fence-checked are judged dead early, and their successor fences what they named.
 		ecfg.Checked, ecfg.Judge = lp.Checked, lp.CanJudge
 	}
+	r.stopTimeout = ecfg.ReleaseTimeout
+	if r.direct != nil {
+		r.stopTimeout += r.direct.CloseTimeout()
+	}
+	log.Debug().Int64("stop_timeout_ms", r.stopTimeout.Milliseconds()).
+		Msg("a stop hands the partitions over within stop_timeout_ms (a supervisor's grace period must cover it)")
 	ecfg.ReplicaID = cfg.ID
 	ecfg.Partitions = cfg.Lanes.Layout.Partitions
 	ecfg.Logger = log.With().Str("component", "election").Logger()
@@ -446,6 +465,7 @@ func (r *Replica) newObservers(cfg Config) error {
 	r.metrics, err = metrics.New(r.metricsSnapshot, metrics.Config{
 		Replica:         r.id,
 		Version:         r.version,
+		Partitions:      r.partitions,
 		UnmappedReasons: wire.Reasons,
 		Ready:           r.readyErr,
 		Logger:          r.log.With().Str("component", "metrics").Logger(),
@@ -642,6 +662,13 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 	}
 	return s
 }
+
+// StopTimeout returns the longest [Replica.Run] takes to hand the partitions over once its context
+// ends, before the final lease deletes: the wait for each partition's release
+// (Election.ReleaseTimeout: DrainTimeout + 10 s in stream mode, [DirectReleaseTimeout] in direct
+// mode), then in direct mode the handoffs still under way (direct.Pool.CloseTimeout). The deploy
+// kit's grace periods are derived from it.
+func (r *Replica) StopTimeout() time.Duration { return r.stopTimeout }
 
 // LeaseTTL returns the partition lease TTL the replica runs with: as configured, or chosen from
 // the control bucket's replica count.

@@ -102,6 +102,10 @@ type Config struct {
 	GapBuckets []float64
 	// ScrapeTimeout bounds the Source call of one scrape. Default 2s.
 	ScrapeTimeout time.Duration
+	// Partitions is the deployment's partition count, exported as kvmapper_partitions_configured
+	// so that an alert can compare it with the leases held (the sum of kvmapper_partitions_owned)
+	// even when no partition has ever been claimed. 0: not exported.
+	Partitions int
 	// Logger receives HTTP server errors. Default: none.
 	Logger zerolog.Logger
 }
@@ -134,6 +138,9 @@ func New(src Source, cfg Config) (*Metrics, error) {
 	}
 	if cfg.ScrapeTimeout < 0 {
 		return nil, fmt.Errorf("%w: negative scrape timeout", ErrInvalidConfig)
+	}
+	if cfg.Partitions < 0 {
+		return nil, fmt.Errorf("%w: negative partition count", ErrInvalidConfig)
 	}
 	m := &Metrics{
 		cfg: cfg,
@@ -183,12 +190,21 @@ func New(src Source, cfg Config) (*Metrics, error) {
 		}
 		return 1
 	})
-	for _, c := range []prometheus.Collector{
+	cs := []prometheus.Collector{
 		m.changes, m.gap, m.tableUpdates, m.fenced, m.fenceFails, build, ready,
 		&collector{m: m},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-	} {
+	}
+	if cfg.Partitions > 0 {
+		configured := prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvmapper_partitions_configured",
+			Help: "Partitions the deployment has: every one should have a lease (alert when the sum of kvmapper_partitions_owned is below it).",
+		})
+		configured.Set(float64(cfg.Partitions))
+		cs = append(cs, configured)
+	}
+	for _, c := range cs {
 		if err := m.reg.Register(c); err != nil {
 			return nil, fmt.Errorf("metrics: registering collector: %w", err)
 		}

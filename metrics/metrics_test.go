@@ -81,6 +81,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 	}, metrics.Config{
 		Replica:         "r0",
 		Version:         "dev",
+		Partitions:      lay.Partitions,
 		UnmappedReasons: []string{wire.ReasonNoMapping, wire.ReasonInvalidGroup},
 		Ready: func() error {
 			if !nc.IsConnected() {
@@ -131,6 +132,7 @@ func TestMetricsOfARealPool(t *testing.T) {
 		"kvmapper_table_devices 1", "kvmapper_table_revision 1", `kvmapper_table_updates_total{op="put"} 0`,
 		`kvmapper_build_info{replica="r0",version="dev"} 1`, "kvmapper_events_dropped_total", "go_goroutines", "process_",
 		"\nkvmapper_ready 1\n", "\nkvmapper_fenced_total 0\n", "\nkvmapper_fence_write_failures_total 0\n",
+		"\nkvmapper_partitions_configured 4\n",
 	} {
 		if !strings.Contains(body, name) {
 			t.Errorf("GET /metrics lacks %q", name)
@@ -204,6 +206,30 @@ func TestServeStopsWithContext(t *testing.T) {
 func TestNewRejectsNilSource(t *testing.T) {
 	if _, err := metrics.New(nil, metrics.Config{}); !errors.Is(err, metrics.ErrInvalidConfig) {
 		t.Fatalf("New(nil) = %v, want ErrInvalidConfig", err)
+	}
+	src := func(context.Context) metrics.Snapshot { return metrics.Snapshot{} }
+	if _, err := metrics.New(src, metrics.Config{Partitions: -1}); !errors.Is(err, metrics.ErrInvalidConfig) {
+		t.Fatalf("New(Partitions: -1) = %v, want ErrInvalidConfig", err)
+	}
+}
+
+// The partition count is exported only when it is known: an alert compares it with the leases
+// held, and a 0 would read as "nothing to own".
+func TestPartitionsConfigured(t *testing.T) {
+	for _, tc := range []struct {
+		partitions int
+		want       string // a line of the exposition; "" for none
+	}{{16, "\nkvmapper_partitions_configured 16\n"}, {0, ""}} {
+		m, err := metrics.New(func(context.Context) metrics.Snapshot { return metrics.Snapshot{WatchLag: -1} }, metrics.Config{Partitions: tc.partitions})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs := httptest.NewServer(m.Handler())
+		_, body := get(t, hs.URL+"/metrics")
+		hs.Close()
+		if got := strings.Contains(body, "kvmapper_partitions_configured"); got != (tc.want != "") || (tc.want != "" && !strings.Contains(body, tc.want)) {
+			t.Errorf("Partitions %d: GET /metrics has kvmapper_partitions_configured = %v, want the line %q", tc.partitions, got, tc.want)
+		}
 	}
 }
 

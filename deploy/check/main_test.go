@@ -15,6 +15,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -198,12 +200,17 @@ type help struct {
 }
 
 var (
-	helpLine = regexp.MustCompile(`^\s+(-{1,2}[a-z][\w-]*(?: [A-Za-z]+)?(?:, -{1,2}[a-z][\w-]*(?: [A-Za-z]+)?)*)\s{2,}(.*)$`)
-	helpName = regexp.MustCompile(`-{1,2}([a-z][\w-]*)`)
-	helpEnv  = regexp.MustCompile(`\[(\$[A-Z_][A-Z0-9_]*(?:, \$[A-Z_][A-Z0-9_]*)*)\]\s*$`)
-	helpDef  = regexp.MustCompile(`\(default: ([^)]*)\)`)
-	helpMu   sync.Mutex
-	helps    = map[string]*help{}
+	// helpLine is one option of urfave/cli's help: its names (with aliases, and the repetition a
+	// slice flag shows: --header value [ --header value ]), then its usage.
+	helpLine = regexp.MustCompile(`^\s+(-{1,2}[a-z][\w-]*(?: [A-Za-z]+)?(?: \[ -{1,2}[a-z][\w-]* [A-Za-z]+ \])?(?:, -{1,2}[a-z][\w-]*(?: [A-Za-z]+)?)*)\s{2,}(.*)$`)
+	// helpOption is any line of the help that starts like an option: each must be a helpLine, so
+	// that no kind of flag goes unseen.
+	helpOption = regexp.MustCompile(`^\s+-{1,2}[a-z]`)
+	helpName   = regexp.MustCompile(`-{1,2}([a-z][\w-]*)`)
+	helpEnv    = regexp.MustCompile(`\[(\$[A-Z_][A-Z0-9_]*(?:, \$[A-Z_][A-Z0-9_]*)*)\]\s*$`)
+	helpDef    = regexp.MustCompile(`\(default: ([^)]*)\)`)
+	helpMu     sync.Mutex
+	helps      = map[string]*help{}
 )
 
 // helpOf runs `kvmapper <command> --help` (command "" for the top level) and parses its
@@ -228,11 +235,16 @@ func helpOf(t *testing.T, command string) *help {
 	for sc.Scan() {
 		m := helpLine.FindStringSubmatch(sc.Text())
 		if m == nil {
+			if helpOption.MatchString(sc.Text()) {
+				t.Fatalf("kvmapper %s: the option line %q is not understood by helpLine: a flag the checks would not see", strings.Join(args, " "), sc.Text())
+			}
 			continue
 		}
 		var names []string
 		for _, n := range helpName.FindAllStringSubmatch(m[1], -1) {
-			names = append(names, n[1])
+			if !slices.Contains(names, n[1]) {
+				names = append(names, n[1])
+			}
 			h.flags[n[1]] = true
 		}
 		if e := helpEnv.FindStringSubmatch(m[2]); e != nil {
@@ -330,7 +342,7 @@ func (p *process) stop(timeout time.Duration) int {
 }
 
 // logValue waits until the process logs a JSON line whose message contains msg and returns
-// that line's field.
+// that line's field (a number as it is written).
 func (p *process) logValue(msg, field string, timeout time.Duration) string {
 	p.t.Helper()
 	deadline := time.Now().Add(timeout)
@@ -341,8 +353,11 @@ func (p *process) logValue(msg, field string, timeout time.Duration) string {
 				continue
 			}
 			if s, _ := m["message"].(string); strings.Contains(s, msg) {
-				if v, ok := m[field].(string); ok {
+				switch v := m[field].(type) {
+				case string:
 					return v
+				case float64:
+					return strconv.FormatFloat(v, 'f', -1, 64)
 				}
 			}
 		}

@@ -32,8 +32,68 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default .Chart.AppVersion .Values.image.tag -}}
 {{- end -}}
 
+{{/* The image by digest when image.digest is set (the tag then only labels the objects). */}}
 {{- define "kvmapper.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (include "kvmapper.tag" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvmapper.bytes prints the bytes of a Kubernetes quantity of memory such as 512Mi, 1Gi or 500M
+given as (dict "name" <its path> "value" <it>); it fails the render on a form it does not read.
+*/}}
+{{- define "kvmapper.bytes" -}}
+{{- $q := toString .value -}}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" $q) -}}
+{{- fail (printf "%s: %q is not a quantity of memory the chart reads for GOMEMLIMIT (write it as 512Mi or 1Gi, or set goMemLimitRatio: 0)" .name $q) -}}
+{{- end -}}
+{{- $n := float64 (regexFind "^[0-9.]+" $q) -}}
+{{- $unit := trimPrefix (regexFind "^[0-9.]+" $q) $q -}}
+{{- $scale := get (dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0) $unit -}}
+{{- printf "%d" (int64 (floor (mulf $n $scale))) -}}
+{{- end -}}
+
+{{/*
+kvmapper.goMemLimit is the replicas' GOMEMLIMIT in bytes: goMemLimitRatio of
+resources.limits.memory; empty without a memory limit, with a ratio of 0, or when extraEnv sets
+GOMEMLIMIT itself.
+*/}}
+{{- define "kvmapper.goMemLimit" -}}
+{{- $limit := dig "limits" "memory" "" (.Values.resources | default dict) -}}
+{{- $ratio := float64 .Values.goMemLimitRatio -}}
+{{- $own := false -}}
+{{- range .Values.extraEnv }}{{ if eq .name "GOMEMLIMIT" }}{{ $own = true }}{{ end }}{{ end -}}
+{{- if and $limit (gt $ratio 0.0) (not $own) -}}
+{{- if gt $ratio 1.0 -}}
+{{- fail (printf "goMemLimitRatio: %v is above 1: GOMEMLIMIT must be below the container's memory limit" .Values.goMemLimitRatio) -}}
+{{- end -}}
+{{- $bytes := include "kvmapper.bytes" (dict "name" "resources.limits.memory" "value" $limit) | float64 -}}
+{{- printf "%d" (int64 (floor (mulf $bytes $ratio))) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvmapper.scrapeTimeout is the ServiceMonitor's scrapeTimeout: metrics.serviceMonitor.scrapeTimeout,
+which may not exceed the interval (the prometheus-operator rejects such a ServiceMonitor), or 10 s
+and the interval when that is shorter.
+*/}}
+{{- define "kvmapper.scrapeTimeout" -}}
+{{- $sm := .Values.metrics.serviceMonitor -}}
+{{- $interval := include "kvmapper.millis" (dict "name" "metrics.serviceMonitor.interval" "value" $sm.interval) | int64 -}}
+{{- if $sm.scrapeTimeout -}}
+{{- $timeout := include "kvmapper.millis" (dict "name" "metrics.serviceMonitor.scrapeTimeout" "value" $sm.scrapeTimeout) | int64 -}}
+{{- if gt $timeout $interval -}}
+{{- fail (printf "metrics.serviceMonitor.scrapeTimeout: %s is longer than the interval %s, which Prometheus refuses" $sm.scrapeTimeout $sm.interval) -}}
+{{- end -}}
+{{- $sm.scrapeTimeout -}}
+{{- else if lt $interval 10000 -}}
+{{- $sm.interval -}}
+{{- else -}}
+10s
+{{- end -}}
 {{- end -}}
 
 {{- define "kvmapper.serviceAccountName" -}}
@@ -57,23 +117,25 @@ numbers as float64, which would print 67108864 as 6.7108864e+07).
 {{- end -}}
 
 {{/*
-kvmapper.seconds prints the whole seconds (rounded up) of a Go duration such as 10s, 1m30s or
-500ms; it fails the render on anything else.
+kvmapper.millis prints the milliseconds (rounded up) of a Go duration such as 10s, 1m30s or
+500ms given as (dict "name" <the value's path> "value" <it>); it fails the render on anything
+else.
 */}}
-{{- define "kvmapper.seconds" -}}
+{{- define "kvmapper.millis" -}}
 {{- $d := toString .value -}}
 {{- if not (regexMatch "^([0-9]+(\\.[0-9]+)?(h|m|s|ms|us|µs|ns))+$" $d) -}}
-{{- fail (printf "config.%s: %q is not a duration kvmapper reads (write it as 10s, 1m30s or 500ms)" .name $d) -}}
+{{- fail (printf "%s: %q is not a duration the chart reads (write it as 10s, 1m30s or 500ms)" .name $d) -}}
 {{- end -}}
 {{- $total := 0.0 -}}
 {{- range regexFindAll "[0-9.]+(h|ms|m|s|us|µs|ns)" $d -1 -}}
 {{- $n := float64 (regexFind "^[0-9.]+" .) -}}
 {{- $unit := trimPrefix (regexFind "^[0-9.]+" .) . -}}
-{{- $scale := get (dict "h" 3600.0 "m" 60.0 "s" 1.0 "ms" 0.001 "us" 0.000001 "µs" 0.000001 "ns" 0.000000001) $unit -}}
+{{- $scale := get (dict "h" 3600000.0 "m" 60000.0 "s" 1000.0 "ms" 1.0 "us" 0.001 "µs" 0.001 "ns" 0.000001) $unit -}}
 {{- $total = addf $total (mulf $n $scale) -}}
 {{- end -}}
 {{- printf "%d" (int64 (ceil $total)) -}}
 {{- end -}}
+
 
 {{/*
 kvmapper.setupKeys are the config keys `kvmapper setup` takes as well as `kvmapper run`: they go
@@ -81,7 +143,7 @@ to the setup Job too, so that setup creates what the replicas expect. The chart'
 this list against the binary's own --help.
 */}}
 {{- define "kvmapper.setupKeys" -}}
-mode layout partitions in out unmapped incoming-stream outgoing-stream unmapped-stream groups-bucket control-bucket parked-stream parked-prefix direct-receive stream-replicas groups-history on-unmapped park-max-per-device park-max-total inbox-prefix connect-timeout reconnect-wait log-level log-format
+mode layout partitions in out header unmapped incoming-stream outgoing-stream unmapped-stream groups-bucket control-bucket parked-stream parked-prefix direct-receive stream-replicas groups-history on-unmapped park-max-per-device park-max-total inbox-prefix connect-timeout reconnect-wait log-level log-format
 {{- end -}}
 
 {{/*
@@ -92,8 +154,20 @@ runs with the same connection and names as the replica.
 */}}
 {{- define "kvmapper.env" -}}
 {{- range $k, $v := . }}
-{{- if and (not (kindIs "invalid" $v)) (ne (toString $v) "") }}
-- name: {{ printf "KVMAPPER_%s" ($k | upper | replace "-" "_") }}
+{{- $name := printf "KVMAPPER_%s" ($k | upper | replace "-" "_") }}
+{{- if kindIs "slice" $v }}
+{{- /* A repeatable flag: kvmapper splits its variable on commas. */ -}}
+{{- range $v }}
+{{- if contains "," (toString .) }}
+{{- fail (printf "config.%s: %q holds a comma, which %s cannot carry (kvmapper splits it on commas)" $k (toString .) $name) }}
+{{- end }}
+{{- end }}
+{{- if $v }}
+- name: {{ $name }}
+  value: {{ join "," $v | quote }}
+{{- end }}
+{{- else if and (not (kindIs "invalid" $v)) (ne (toString $v) "") }}
+- name: {{ $name }}
   value: {{ include "kvmapper.value" $v | quote }}
 {{- end }}
 {{- end }}
@@ -210,16 +284,29 @@ The connection to NATS, for a container: env, volumes and volume mounts. Each ta
 {{- end -}}
 
 {{/*
-kvmapper.gracePeriod is the pods' terminationGracePeriodSeconds: the preStop pause, then what
-SIGTERM sets off: each partition drains for up to drain-timeout (all at once), then writes its
-final checkpoint and releases its lease (the replica allows 10 s beyond the drain for that,
-shutdown.marginSeconds); in direct mode a released partition forwards for up to handoff-timeout.
+kvmapper.stopSeconds is how long a replica may take, from SIGTERM, to hand its partitions over:
+what the binary logs at start as stop_timeout_ms (mapper.Replica.StopTimeout), rounded up to
+whole seconds. In stream mode each partition drains for up to drain-timeout (all at once) and
+the replica allows 10 s beyond it for the final checkpoints and releases. In direct mode the
+replica waits up to 30 s for each release (mapper.DirectReleaseTimeout), then for the handoffs
+still under way (direct.Pool.CloseTimeout): handoff-timeout, three answer timeouts of 2 s and a
+settle of 50 ms. deploy/check TestChartGracePeriodCoversTheStop compares the two.
+*/}}
+{{- define "kvmapper.stopSeconds" -}}
+{{- if eq (toString (get .Values.config "mode")) "direct" -}}
+{{- $handoff := include "kvmapper.millis" (dict "name" "config.handoff-timeout" "value" (default "5s" (get .Values.config "handoff-timeout"))) | int64 -}}
+{{- add 30 (div (add $handoff 6050 999) 1000) -}}
+{{- else -}}
+{{- $drain := include "kvmapper.millis" (dict "name" "config.drain-timeout" "value" (default "10s" (get .Values.config "drain-timeout"))) | int64 -}}
+{{- add 10 (div (add $drain 999) 1000) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvmapper.gracePeriod is the pods' terminationGracePeriodSeconds: the preStop pause, the stop
+(kvmapper.stopSeconds), and shutdown.marginSeconds for the lease deletes and the connection's
+close after it.
 */}}
 {{- define "kvmapper.gracePeriod" -}}
-{{- $drain := include "kvmapper.seconds" (dict "name" "drain-timeout" "value" (default "10s" (get .Values.config "drain-timeout"))) | int -}}
-{{- $handoff := 0 -}}
-{{- if eq (toString (get .Values.config "mode")) "direct" -}}
-{{- $handoff = include "kvmapper.seconds" (dict "name" "handoff-timeout" "value" (default "5s" (get .Values.config "handoff-timeout"))) | int -}}
-{{- end -}}
-{{- add (int .Values.shutdown.preStopSeconds) $drain $handoff (int .Values.shutdown.marginSeconds) -}}
+{{- add (int .Values.shutdown.preStopSeconds) (include "kvmapper.stopSeconds" . | int) (int .Values.shutdown.marginSeconds) -}}
 {{- end -}}
