@@ -31,7 +31,6 @@ import (
 // delete of the old consumer 2s, a read of the stream's incarnation 5s, a publish the old leader
 // dropped the stall timeout of 2s).
 func TestConsumerOfAStoppedServerIsReplacedAtOnce(t *testing.T) {
-	t.Parallel() // waits out lease timers on a server of its own
 	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
 		t.Run(string(sl), func(t *testing.T) { consumerOfAStoppedServer(t, sl) })
 	}

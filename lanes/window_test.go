@@ -115,7 +115,6 @@ func TestInFlightBoundOnTheWire(t *testing.T) {
 // every retry; it must not stall the others. Its devices map to a group whose subject only a
 // subscriber that never answers listens to.
 func TestStuckPartitionDoesNotStallOthers(t *testing.T) {
-	t.Parallel() // waits out lease timers on a server of its own
 	for name, tc := range map[string]struct {
 		cfg        lanes.Config
 		stuckPad   int // header bytes on the stuck partition's messages
