@@ -15,8 +15,10 @@ import (
 	"github.com/prometheus/prometheus/promql/parser"
 )
 
+// rulesFile is the plain Prometheus rule file, rendered from the chart's
+// files/kvmapper-rules.yaml with the default values (TestPlainManifestsAreCurrent keeps it so).
 func rulesFile() string {
-	return filepath.Join(chartDirOf(), "files", "kvmapper-rules.yaml")
+	return filepath.Join(built.deploy, "prometheus", "kvmapper-rules.yaml")
 }
 
 func dashboardFile() string {
