@@ -294,8 +294,14 @@ func (s *syncBuffer) String() string {
 // start starts the image's binary with args and exactly env (plus PATH), killed at cleanup.
 func start(t *testing.T, name string, args []string, env []string) *process {
 	t.Helper()
+	return startCommand(t, name, built.bin, args, env)
+}
+
+// startCommand starts the program path as start starts the image's binary.
+func startCommand(t *testing.T, name, path string, args []string, env []string) *process {
+	t.Helper()
 	p := &process{t: t, name: name, out: &syncBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(built.bin, args...)
+	p.cmd = exec.Command(path, args...)
 	p.cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + t.TempDir()}, env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	if err := p.cmd.Start(); err != nil {
