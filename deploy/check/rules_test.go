@@ -75,6 +75,11 @@ func TestChartRuleSettings(t *testing.T) {
 	if !slices.Equal(names, want) {
 		t.Errorf("disabled KvmapperOwnershipChurn and KvmapperAbsent: alerts %q, want %q", names, want)
 	}
+	for _, n := range want {
+		if got[n].Expr != plain[n].Expr || ptrString(got[n].For) != ptrString(plain[n].For) {
+			t.Errorf("disabled others: %s changed", n)
+		}
+	}
 
 	_, got = renderedAlerts(t, ruleValues(map[string]any{"runbookUrl": "https://wiki.example.com/kvmapper/alerts/"}, nil))
 	for _, n := range all {
