@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
@@ -203,7 +204,8 @@ func Kinds() []string {
 var PlainRelease = Release{Name: "kvmapper", Namespace: "kvmapper"}
 
 // Plain renders the plain manifests of deploy/kubernetes/ from the chart and
-// deploy/kubernetes/values.yaml, by file name.
+// deploy/kubernetes/values.yaml, and the plain Prometheus rule file
+// deploy/prometheus/kvmapper-rules.yaml (the PrometheusRule's spec), by path under deployRoot.
 func Plain(deployRoot string) (map[string][]byte, error) {
 	valuesFile := filepath.Join(deployRoot, "kubernetes", "values.yaml")
 	values, err := LoadValues(valuesFile)
@@ -215,7 +217,19 @@ func Plain(deployRoot string) (map[string][]byte, error) {
 		return nil, err
 	}
 	var replicas, setup, monitoring []Object
+	var rules []byte
+	job := ""
 	for _, o := range objs {
+		if svc, ok := o.Typed.(*corev1.Service); ok {
+			job = svc.Labels["jobLabel"]
+		}
+		if pr, ok := o.Typed.(*monitoringv1.PrometheusRule); ok {
+			b, err := yaml.Marshal(pr.Spec)
+			if err != nil {
+				return nil, fmt.Errorf("the PrometheusRule's spec: %w", err)
+			}
+			rules = b
+		}
 		switch {
 		case o.Hook != "":
 			setup = append(setup, o)
@@ -231,12 +245,27 @@ func Plain(deployRoot string) (map[string][]byte, error) {
 			"`go -C deploy run ./cmd/render`: edit those, not this file. Release \"" + PlainRelease.Name + "\", namespace \"" + PlainRelease.Namespace + "\".\n" +
 			apply
 	}
+	if rules == nil {
+		return nil, fmt.Errorf("%s renders no PrometheusRule (metrics.prometheusRule.enabled), whose spec is the plain rule file", valuesFile)
+	}
+	rulesHeader := "kvmapper's alert rules, a plain Prometheus rule file (rule_files: in prometheus.yml;\n" +
+		"promtool check rules kvmapper-rules.yaml), for Prometheus outside the prometheus-operator.\n" +
+		"Rendered from the chart deploy/helm/kvmapper (files/kvmapper-rules.yaml, with the thresholds of\n" +
+		"its values.yaml) by `go -C deploy run ./cmd/render`: edit those, not this file. The replicas'\n" +
+		"scrape job must be named " + strconv.Quote(job) + " (job_name: the rules select up{job=...}).\n" +
+		"docs/deploy-alerts.md says what each alert means."
+	var rb bytes.Buffer
+	for _, l := range strings.Split(rulesHeader, "\n") {
+		rb.WriteString("# " + l + "\n")
+	}
+	rb.Write(rules)
 	return map[string][]byte{
-		"kvmapper.yaml": Write(replicas, header("kvmapper replicas: Deployment, ServiceAccount, metrics Service, PodDisruptionBudget.",
+		"prometheus/kvmapper-rules.yaml": rb.Bytes(),
+		"kubernetes/kvmapper.yaml": Write(replicas, header("kvmapper replicas: Deployment, ServiceAccount, metrics Service, PodDisruptionBudget.",
 			"kubectl create namespace kvmapper; kubectl -n kvmapper apply -f kvmapper.yaml (docs/deploy-kubernetes.md).")),
-		"setup-job.yaml": Write(setup, header("The one-shot `kvmapper setup` Job (a pre-install/pre-upgrade hook in the chart).",
+		"kubernetes/setup-job.yaml": Write(setup, header("The one-shot `kvmapper setup` Job (a pre-install/pre-upgrade hook in the chart).",
 			"Apply it before kvmapper.yaml and wait for it: kubectl -n kvmapper apply -f setup-job.yaml &&\nkubectl -n kvmapper wait --for=condition=complete job/kvmapper-setup; delete it before applying it again.")),
-		"monitoring.yaml": Write(monitoring, header("Monitoring: ServiceMonitor and PrometheusRule (prometheus-operator CRDs) and the Grafana dashboard.",
+		"kubernetes/monitoring.yaml": Write(monitoring, header("Monitoring: ServiceMonitor and PrometheusRule (prometheus-operator CRDs) and the Grafana dashboard.",
 			"kubectl -n kvmapper apply -f monitoring.yaml")),
 	}, nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/prometheus/model/histogram"
 	"github.com/prometheus/prometheus/model/labels"
+	"github.com/prometheus/prometheus/model/rulefmt"
 	promqlengine "github.com/prometheus/prometheus/promql"
 	"github.com/prometheus/prometheus/storage"
 	"github.com/prometheus/prometheus/tsdb/chunkenc"
@@ -27,10 +28,11 @@ type scenario struct {
 	fires  bool
 }
 
-// r1 and r2 are two replicas of one deployment.
+// r1 and r2 are two replicas of one deployment, scraped as job kvmapper (metrics.job, the
+// ServiceMonitor's jobLabel).
 const (
-	r1 = `namespace="kv",job="kvmapper-metrics",instance="10.0.0.1:9090"`
-	r2 = `namespace="kv",job="kvmapper-metrics",instance="10.0.0.2:9090"`
+	r1 = `namespace="kv",job="kvmapper",instance="10.0.0.1:9090"`
+	r2 = `namespace="kv",job="kvmapper",instance="10.0.0.2:9090"`
 )
 
 // alertScenarios are, for every alert of the rules file, the fault it is for (it must fire) and
@@ -38,21 +40,125 @@ const (
 var alertScenarios = map[string][]scenario{
 	"KvmapperPartitionUnowned": {
 		{name: "a dead replica's partitions stay unowned", step: time.Minute, fires: true, series: `
+kvmapper_partitions_configured{` + r1 + `} 4x30
 kvmapper_partitions_owned{` + r1 + `} 2x30
-kvmapper_partition_epoch{` + r1 + `,partition="0"} 1x30
-kvmapper_partition_epoch{` + r1 + `,partition="1"} 1x30
-kvmapper_partitions_owned{` + r2 + `} 2x10
-kvmapper_partition_epoch{` + r2 + `,partition="2"} 1x10
-kvmapper_partition_epoch{` + r2 + `,partition="3"} 1x10`},
+kvmapper_partitions_configured{` + r2 + `} 4x10
+kvmapper_partitions_owned{` + r2 + `} 2x10`},
+		{name: "a deployment that never claimed a partition", step: time.Minute, fires: true, series: `
+kvmapper_partitions_configured{` + r1 + `} 16x10
+kvmapper_partitions_owned{` + r1 + `} 0x10
+kvmapper_partitions_configured{` + r2 + `} 16x10
+kvmapper_partitions_owned{` + r2 + `} 0x10`},
+		{name: "back after an outage of 7 hours, claiming nothing", step: time.Minute, fires: true, series: `
+kvmapper_partitions_configured{` + r1 + `} 16x60 _x420 16x10
+kvmapper_partitions_owned{` + r1 + `} 16x60 _x420 0x10`},
 		{name: "a dead replica's partitions taken over", step: time.Minute, series: `
+kvmapper_partitions_configured{` + r1 + `} 4x30
 kvmapper_partitions_owned{` + r1 + `} 2x10 4x20
-kvmapper_partition_epoch{` + r1 + `,partition="0"} 1x30
-kvmapper_partition_epoch{` + r1 + `,partition="1"} 1x30
-kvmapper_partition_epoch{` + r1 + `,partition="2"} _x10 7x20
-kvmapper_partition_epoch{` + r1 + `,partition="3"} _x10 8x20
-kvmapper_partitions_owned{` + r2 + `} 2x10
-kvmapper_partition_epoch{` + r2 + `,partition="2"} 1x10
-kvmapper_partition_epoch{` + r2 + `,partition="3"} 1x10`},
+kvmapper_partitions_configured{` + r2 + `} 4x10
+kvmapper_partitions_owned{` + r2 + `} 2x10`},
+		{name: "one scrape in the middle of a handover", step: time.Minute, series: `
+kvmapper_partitions_configured{` + r1 + `} 4x20
+kvmapper_partitions_owned{` + r1 + `} 2x10 1 2x9
+kvmapper_partitions_configured{` + r2 + `} 4x20
+kvmapper_partitions_owned{` + r2 + `} 2x20`},
+	},
+	"KvmapperAbsent": {
+		{name: "no replica ever scraped", step: time.Minute, fires: true, series: `
+up{namespace="kv",job="node-exporter",instance="10.0.0.1:9100"} 1x10`},
+		{name: "every replica down", step: time.Minute, fires: true, series: `
+up{` + r1 + `} 1x2 0x10
+up{` + r2 + `} 1x2 0x10`},
+		{name: "one replica of two down", step: time.Minute, series: `
+up{` + r1 + `} 1x12
+up{` + r2 + `} 1x2 0x10`},
+		{name: "down for one scrape", step: time.Minute, series: `
+up{` + r1 + `} 1x2 0 1x9`},
+	},
+	"KvmapperPartitionStalled": {
+		{name: "messages waiting and the acknowledged sequence frozen", step: time.Minute, fires: true, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 40+1x30
+kvmapper_partition_acked_sequence{` + r1 + `,partition="3"} 1000x30`},
+		{name: "a steady backlog, acknowledged as it goes", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 50x30
+kvmapper_partition_acked_sequence{` + r1 + `,partition="3"} 1000+600x30`},
+		{name: "an idle partition", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 0x30
+kvmapper_partition_acked_sequence{` + r1 + `,partition="3"} 1000x30`},
+		{name: "a lane that just started, not acknowledged anything yet", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} _x20 50x8
+kvmapper_partition_acked_sequence{` + r1 + `,partition="3"} _x20 1000x8`},
+		{name: "stuck for 12 minutes, then replaced by an owner that moves on", step: time.Minute, series: `
+kvmapper_partition_lag_messages{` + r1 + `,partition="3"} 50x12
+kvmapper_partition_acked_sequence{` + r1 + `,partition="3"} 1000x12
+kvmapper_partition_lag_messages{` + r2 + `,partition="3"} _x12 50x20
+kvmapper_partition_acked_sequence{` + r2 + `,partition="3"} _x12 1000+100x20`},
+	},
+	"KvmapperPublishFailing": {
+		{name: "publishes failing all along", step: time.Minute, fires: true, series: `
+kvmapper_publish_failures_total{` + r1 + `} 0+5x40`},
+		{name: "one burst (a leader election)", step: time.Minute, series: `
+kvmapper_publish_failures_total{` + r1 + `} 0x5 200x35`},
+		{name: "no failures", step: time.Minute, series: `
+kvmapper_publish_failures_total{` + r1 + `} 0x40`},
+	},
+	"KvmapperWriteModeSingle": {
+		{name: "OUTGOING written singly", step: time.Minute, fires: true, series: `
+kvmapper_write_mode{` + r1 + `,stream="OUTGOING",mode="single"} 1x20`},
+		{name: "fallen back after a refused batch", step: time.Minute, fires: true, series: `
+kvmapper_write_mode{` + r1 + `,stream="OUTGOING",mode="atomic"} 1x5
+kvmapper_write_mode{` + r1 + `,stream="OUTGOING",mode="single"} _x5 1x15`},
+		{name: "atomic batches", step: time.Minute, series: `
+kvmapper_write_mode{` + r1 + `,stream="OUTGOING",mode="atomic"} 1x20
+kvmapper_write_mode{` + r1 + `,stream="UNMAPPED",mode="batch"} 1x20`},
+		{name: "PARKED, written singly by design", step: time.Minute, series: `
+kvmapper_write_mode{` + r1 + `,stream="OUTGOING",mode="atomic"} 1x20
+kvmapper_write_mode{` + r1 + `,stream="PARKED",mode="single"} 1x20`},
+	},
+	"KvmapperFenceWriteFailed": {
+		{name: "one fence record not written", step: time.Minute, fires: true, series: `
+kvmapper_fence_write_failures_total{` + r1 + `} 0x5 1x10`},
+		{name: "counted before the replica's first scrape", step: time.Minute, fires: true, series: `
+kvmapper_fence_write_failures_total{` + r1 + `} 1x10`},
+		{name: "every fence record written", step: time.Minute, series: `
+kvmapper_fence_write_failures_total{` + r1 + `} 0x15`},
+	},
+	"KvmapperOwnershipChurn": {
+		{name: "leases lost and retaken all hour", step: time.Minute, fires: true, series: `
+kvmapper_partitions_configured{` + r1 + `} 16x90
+kvmapper_ownership_changes_total{` + r1 + `,change="acquired"} 0+5x90
+kvmapper_partitions_configured{` + r2 + `} 16x90
+kvmapper_ownership_changes_total{` + r2 + `,change="acquired"} 0+5x90`},
+		{name: "one rolling restart", step: time.Minute, series: `
+kvmapper_partitions_configured{` + r1 + `} 16x90
+kvmapper_ownership_changes_total{` + r1 + `,change="acquired"} 0x10 16x80
+kvmapper_partitions_configured{` + r2 + `} 16x90
+kvmapper_ownership_changes_total{` + r2 + `,change="acquired"} 0x12 16x78`},
+		{name: "two rolling restarts in an hour", step: time.Minute, series: `
+kvmapper_partitions_configured{` + r1 + `} 16x90
+kvmapper_ownership_changes_total{` + r1 + `,change="acquired"} 0x10 16x20 32x60
+kvmapper_partitions_configured{` + r2 + `} 16x90
+kvmapper_ownership_changes_total{` + r2 + `,change="acquired"} 0x10 16x20 32x60`},
+	},
+	"KvmapperGroupsWatchLagging": {
+		{name: "the watch stuck while the bucket is written", step: time.Minute, fires: true, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 0x5 1+1x30
+kvmapper_table_revision{` + r1 + `} 100x36`},
+		{name: "the watch stuck on a bucket written once", step: time.Minute, fires: true, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 0x5 1x30
+kvmapper_table_revision{` + r1 + `} 100x36`},
+		{name: "far behind while applying", step: time.Minute, fires: true, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 5000x30
+kvmapper_table_revision{` + r1 + `} 100+50x30`},
+		{name: "a busy bucket, a few revisions behind at each scrape", step: time.Minute, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 3x30
+kvmapper_table_revision{` + r1 + `} 100+100x30`},
+		{name: "a burst of puts applied within two scrapes", step: time.Minute, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 0x5 5000 200 0x25
+kvmapper_table_revision{` + r1 + `} 100x5 200 4900 5100x25`},
+		{name: "a quiet bucket, applied", step: time.Minute, series: `
+kvmapper_table_watch_lag_revisions{` + r1 + `} 0x30
+kvmapper_table_revision{` + r1 + `} 100x30`},
 	},
 	"KvmapperLagGrowing": {
 		{name: "a backlog growing for half an hour", step: time.Minute, fires: true, series: `
@@ -120,6 +226,8 @@ kvmapper_ready{` + r1 + `} 1x2 0 1x8`},
 up{` + r1 + `} 1x2 0x10`},
 		{name: "another job's target down", step: time.Minute, series: `
 up{namespace="kv",job="node-exporter",instance="10.0.0.1:9100"} 1x2 0x10`},
+		{name: "another job with kvmapper in its name down", step: time.Minute, series: `
+up{namespace="kv",job="kvmapper-exporter",instance="10.0.0.1:9100"} 1x2 0x10`},
 	},
 }
 
@@ -157,6 +265,20 @@ func TestAlertsFireOnTheirFaultsOnly(t *testing.T) {
 			t.Errorf("alertScenarios has %s, which the rules file does not", name)
 		}
 	}
+}
+
+// alertRule returns the alert rule name of the rules file.
+func alertRule(t *testing.T, name string) rulefmt.Rule {
+	t.Helper()
+	for _, g := range rules(t).Groups {
+		for _, r := range g.Rules {
+			if r.Alert == name {
+				return r
+			}
+		}
+	}
+	t.Fatalf("the rules file has no alert %s", name)
+	return rulefmt.Rule{}
 }
 
 // evalAlert evaluates the alert's expression over sc at each step with Prometheus's own PromQL

@@ -306,20 +306,25 @@ func TestChartCoversEveryFlag(t *testing.T) {
 	}
 }
 
-// The plain manifests of deploy/kubernetes/ are what the chart renders now.
+// The plain manifests of deploy/kubernetes/ and the plain rule file of deploy/prometheus/ are
+// what the chart renders now.
 func TestPlainManifestsAreCurrent(t *testing.T) {
 	files, err := chart.Plain(built.deploy)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if _, ok := files["prometheus/kvmapper-rules.yaml"]; !ok || len(files) != 4 {
+		t.Errorf("chart.Plain renders %d files, want kubernetes/{kvmapper,setup-job,monitoring}.yaml and prometheus/kvmapper-rules.yaml", len(files))
+	}
 	for name, want := range files {
-		if got := readFile(t, filepath.Join(built.deploy, "kubernetes", name)); got != string(want) {
-			t.Errorf("deploy/kubernetes/%s is not what the chart renders: run go -C deploy run ./cmd/render", name)
+		if got := readFile(t, filepath.Join(built.deploy, filepath.FromSlash(name))); got != string(want) {
+			t.Errorf("deploy/%s is not what the chart renders: run go -C deploy run ./cmd/render", name)
 		}
 	}
 }
 
-// The chart's PrometheusRule is the rules file, group for group.
+// The chart's PrometheusRule, as the production values render it, is the plain rule file, group
+// for group (the alerts' checks read that file); the dashboard ConfigMap holds the dashboard.
 func TestPrometheusRuleIsTheRulesFile(t *testing.T) {
 	pr := one[*monitoringv1.PrometheusRule](t, render(t, productionValues(t)))
 	var file monitoringv1.PrometheusRuleSpec

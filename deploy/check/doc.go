@@ -1,5 +1,6 @@
-// Package check holds the deploy kit's CI checks, as tests: the image is built (its tarball,
-// config, labels and layer), the binary taken from its layer runs, the chart renders for the
+// Package check holds the deploy kit's CI checks, as tests: the image is built (its tarball, the
+// index of linux/amd64 and linux/arm64, each image's config, labels, layer and binary), the
+// binary taken from this machine's layer runs, the chart renders for the
 // default values and for a production values file and every object decodes strictly into its
 // Kubernetes API type, every setting the chart, the plain manifests and the systemd unit give
 // kvmapper is one the binary itself accepts (asked through its --help and by running it against

@@ -5,14 +5,17 @@ import (
 	"crypto/x509"
 	"debug/elf"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -23,8 +26,10 @@ import (
 	"github.com/kvmapper/kvmapper/deploy/image"
 )
 
-// The tarball is both an OCI image layout (what podman load, skopeo and containerd read) and
-// a docker save archive (manifest.json, what docker load reads); both name the same image.
+// The tarball is both an OCI image layout (what podman load, skopeo, crane and containerd read)
+// and a docker save archive (manifest.json, what docker load reads). The layout's index.json
+// names, as name:tag, an image index with one image per architecture of image.Platforms; the
+// docker archive's image is this machine's of them.
 func TestImageTarballIsOCILayoutAndDockerArchive(t *testing.T) {
 	files, err := tarEntries(built.tar)
 	if err != nil {
@@ -33,6 +38,90 @@ func TestImageTarballIsOCILayoutAndDockerArchive(t *testing.T) {
 	if got := string(files["oci-layout"]); got != `{"imageLayoutVersion":"1.0.0"}` {
 		t.Errorf("oci-layout = %q, want imageLayoutVersion 1.0.0", got)
 	}
+	top, err := layout.ImageIndexFromPath(unpacked(t, files))
+	if err != nil {
+		t.Fatalf("reading the OCI layout: %v", err)
+	}
+	im, err := top.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(im.Manifests) != 1 {
+		t.Fatalf("index.json lists %d manifests, want the image index alone", len(im.Manifests))
+	}
+	desc := im.Manifests[0]
+	if got := desc.Annotations["org.opencontainers.image.ref.name"]; got != imageTag {
+		t.Errorf("index.json ref.name = %q, want %q", got, imageTag)
+	}
+	if got, want := desc.Annotations["io.containerd.image.name"], "docker.io/library/"+imageName+":"+imageTag; got != want {
+		t.Errorf("index.json io.containerd.image.name = %q, want %q", got, want)
+	}
+	if desc.MediaType != "application/vnd.oci.image.index.v1+json" || desc.Digest != built.digest {
+		t.Fatalf("index.json names %s %s, want the image index %s the build printed", desc.MediaType, desc.Digest, built.digest)
+	}
+	idx, err := top.ImageIndex(desc.Digest)
+	if err != nil {
+		t.Fatalf("the image index: %v", err)
+	}
+	local, ok := platformImage(t, idx, runtime.GOARCH)
+	if !ok {
+		t.Fatalf("the index has no image for this machine's linux/%s", runtime.GOARCH)
+	}
+	docker, err := tarball.ImageFromPath(built.tar, nil)
+	if err != nil {
+		t.Fatalf("reading the tarball as docker load does (manifest.json): %v", err)
+	}
+	if m, _ := tarball.LoadManifest(func() (io.ReadCloser, error) { return os.Open(built.tar) }); len(m) != 1 || !slices.Equal(m[0].RepoTags, []string{imageName + ":" + imageTag}) {
+		t.Errorf("manifest.json = %+v, want one image tagged %s:%s", m, imageName, imageTag)
+	}
+	ociCfg, _ := local.ConfigName()
+	dockerCfg, _ := docker.ConfigName()
+	if ociCfg != dockerCfg {
+		t.Errorf("manifest.json's config %s is not the index's linux/%s image's %s", dockerCfg, runtime.GOARCH, ociCfg)
+	}
+	ims, err := idx.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ims.MediaType != "application/vnd.oci.image.index.v1+json" {
+		t.Errorf("the image index's media type %s, want OCI's", ims.MediaType)
+	}
+	for k, want := range built.opts.Labels() {
+		if got := ims.Annotations[k]; got != want {
+			t.Errorf("index annotation %s = %q, want %q", k, got, want)
+		}
+	}
+	for _, d := range ims.Manifests {
+		img, err := idx.Image(d.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		layers, err := img.Layers()
+		if err != nil || len(layers) != 1 {
+			t.Fatalf("%s: image layers: %d, %v; want 1", d.Platform, len(layers), err)
+		}
+		// Digests and diff IDs are checked against the blobs themselves.
+		if _, err := layers[0].Uncompressed(); err != nil {
+			t.Fatal(err)
+		}
+		mf, err := img.Manifest()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mf.MediaType != "application/vnd.oci.image.manifest.v1+json" || mf.Config.MediaType != "application/vnd.oci.image.config.v1+json" {
+			t.Errorf("%s: manifest media types %s, config %s; want OCI", d.Platform, mf.MediaType, mf.Config.MediaType)
+		}
+		for k, want := range built.opts.Labels() {
+			if got := mf.Annotations[k]; got != want {
+				t.Errorf("%s: manifest annotation %s = %q, want %q", d.Platform, k, got, want)
+			}
+		}
+	}
+}
+
+// unpacked writes files into a directory and returns it.
+func unpacked(t *testing.T, files map[string][]byte) string {
+	t.Helper()
 	dir := t.TempDir()
 	for name, b := range files {
 		p := filepath.Join(dir, name)
@@ -43,62 +132,126 @@ func TestImageTarballIsOCILayoutAndDockerArchive(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	idx, err := layout.ImageIndexFromPath(dir)
+	return dir
+}
+
+// platformImage returns the image of linux/arch in idx.
+func platformImage(t *testing.T, idx v1.ImageIndex, arch string) (v1.Image, bool) {
+	t.Helper()
+	im, err := idx.IndexManifest()
 	if err != nil {
-		t.Fatalf("reading the OCI layout: %v", err)
+		t.Fatal(err)
+	}
+	for _, d := range im.Manifests {
+		if d.Platform != nil && d.Platform.OS == "linux" && d.Platform.Architecture == arch {
+			img, err := idx.Image(d.Digest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return img, true
+		}
+	}
+	return nil, false
+}
+
+// The image index holds one image for each of linux/amd64 and linux/arm64 (arm64 as v8), each
+// descriptor's platform what its config says; each image's binary is a static ELF for that
+// machine, and runs where this machine can run it: this machine's always (it says its version),
+// another's when the kernel can execute it (binfmt_misc with QEMU, say), which is logged either
+// way.
+func TestImageIndexHoldsBothArchitectures(t *testing.T) {
+	files, err := tarEntries(built.tar)
+	if err != nil {
+		t.Fatal(err)
+	}
+	top, err := layout.ImageIndexFromPath(unpacked(t, files))
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, err := top.ImageIndex(built.digest)
+	if err != nil {
+		t.Fatal(err)
 	}
 	im, err := idx.IndexManifest()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(im.Manifests) != 1 {
-		t.Fatalf("index.json lists %d manifests, want 1", len(im.Manifests))
-	}
-	desc := im.Manifests[0]
-	if got := desc.Annotations["org.opencontainers.image.ref.name"]; got != imageTag {
-		t.Errorf("index.json ref.name = %q, want %q", got, imageTag)
-	}
-	if got, want := desc.Annotations["io.containerd.image.name"], "docker.io/library/"+imageName+":"+imageTag; got != want {
-		t.Errorf("index.json io.containerd.image.name = %q, want %q", got, want)
-	}
-	oci, err := idx.Image(desc.Digest)
-	if err != nil {
-		t.Fatalf("the OCI layout's image: %v", err)
-	}
-	docker, err := tarball.ImageFromPath(built.tar, nil)
-	if err != nil {
-		t.Fatalf("reading the tarball as docker load does (manifest.json): %v", err)
-	}
-	if m, _ := tarball.LoadManifest(func() (io.ReadCloser, error) { return os.Open(built.tar) }); len(m) != 1 || !slices.Equal(m[0].RepoTags, []string{imageName + ":" + imageTag}) {
-		t.Errorf("manifest.json = %+v, want one image tagged %s:%s", m, imageName, imageTag)
-	}
-	ociCfg, _ := oci.ConfigName()
-	dockerCfg, _ := docker.ConfigName()
-	if ociCfg != dockerCfg {
-		t.Errorf("manifest.json's config %s differs from the OCI manifest's %s", dockerCfg, ociCfg)
-	}
-	for _, img := range []v1.Image{oci, docker} {
-		layers, err := img.Layers()
-		if err != nil || len(layers) != 1 {
-			t.Fatalf("image layers: %d, %v; want 1", len(layers), err)
+	var platforms []string
+	for _, d := range im.Manifests {
+		if d.Platform == nil {
+			t.Fatalf("the index's manifest %s names no platform", d.Digest)
 		}
-		// Digests and diff IDs are checked against the blobs themselves.
-		if _, err := layers[0].Uncompressed(); err != nil {
+		platforms = append(platforms, d.Platform.String())
+	}
+	if want := []string{"linux/amd64", "linux/arm64/v8"}; !slices.Equal(platforms, want) {
+		t.Fatalf("the index's platforms %q, want %q", platforms, want)
+	}
+	machines := map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64}
+	for _, d := range im.Manifests {
+		arch := d.Platform.Architecture
+		img, _ := platformImage(t, idx, arch)
+		cf, err := img.ConfigFile()
+		if err != nil {
 			t.Fatal(err)
 		}
+		if cf.OS != d.Platform.OS || cf.Architecture != arch || cf.Variant != d.Platform.Variant {
+			t.Errorf("%s: the config says %s/%s/%s", d.Platform, cf.OS, cf.Architecture, cf.Variant)
+		}
+		bin := binaryOf(t, img)
+		f, err := elf.NewFile(bytes.NewReader(bin))
+		if err != nil {
+			t.Fatalf("%s: the binary is not ELF: %v", d.Platform, err)
+		}
+		if f.Machine != machines[arch] {
+			t.Errorf("%s: the binary is for %v", d.Platform, f.Machine)
+		}
+		for _, p := range f.Progs {
+			if p.Type == elf.PT_INTERP {
+				t.Errorf("%s: the binary has an ELF interpreter: it is dynamically linked", d.Platform)
+			}
+		}
+		p := filepath.Join(t.TempDir(), "kvmapper")
+		if err := os.WriteFile(p, bin, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.Command(p, "--version").CombinedOutput()
+		want := fmt.Sprintf("kvmapper version %s (commit %s)\n", built.opts.Version, built.opts.Commit)
+		switch {
+		case err == nil && string(out) == want:
+			t.Logf("%s: the binary runs here: %s", d.Platform, strings.TrimSpace(string(out)))
+		case arch != runtime.GOARCH && errors.Is(err, syscall.ENOEXEC):
+			t.Logf("%s: this machine cannot execute it (%v); checked as ELF only", d.Platform, err)
+		default:
+			t.Errorf("%s: kvmapper --version = %q, %v; want %q", d.Platform, out, err, want)
+		}
 	}
-	mf, err := oci.Manifest()
+}
+
+// binaryOf returns the kvmapper binary of img's layer.
+func binaryOf(t *testing.T, img v1.Image) []byte {
+	t.Helper()
+	layers, err := img.Layers()
+	if err != nil || len(layers) != 1 {
+		t.Fatalf("image layers: %d, %v; want 1", len(layers), err)
+	}
+	rc, err := layers[0].Compressed()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if mf.MediaType != "application/vnd.oci.image.manifest.v1+json" || mf.Config.MediaType != "application/vnd.oci.image.config.v1+json" {
-		t.Errorf("manifest media types %s, config %s; want OCI", mf.MediaType, mf.Config.MediaType)
+	gz, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil {
+		t.Fatal(err)
 	}
-	for k, want := range built.opts.Labels() {
-		if got := mf.Annotations[k]; got != want {
-			t.Errorf("manifest annotation %s = %q, want %q", k, got, want)
-		}
+	entries, err := layerEntries(gz)
+	if err != nil {
+		t.Fatal(err)
 	}
+	e, ok := entries[strings.TrimPrefix(image.Binary, "/")]
+	if !ok {
+		t.Fatalf("no %s in the layer", image.Binary)
+	}
+	return e.data
 }
 
 // The config runs the binary as a user that is not root, as the image's /etc/passwd names it,
@@ -283,13 +436,24 @@ func TestDockerfileBuildsTheSameImage(t *testing.T) {
 			t.Errorf("the build stage lacks %q (what deploy/image builds with)", s)
 		}
 	}
-	if m := regexp.MustCompile(`(?m)^FROM golang:(\S+)`).FindStringSubmatch(build); m != nil {
-		goVersion := regexp.MustCompile(`(?m)^go (\S+)`).FindStringSubmatch(readFile(t, filepath.Join(built.repo, "go.mod")))
-		if goVersion == nil || !strings.HasPrefix(goVersion[1], strings.Split(m[1], "-")[0]) {
-			t.Errorf("FROM golang:%s, but go.mod says go %v", m[1], goVersion)
-		}
-	} else {
-		t.Error("the build stage is not FROM golang:<version>")
+	// The build stage cross-compiles on the build machine's platform for the target's, from
+	// go.mod's exact Go version (no toolchain downloaded), pinned by an image index digest if at
+	// all (see the Dockerfile: none could be read where it was written).
+	goVersion := regexp.MustCompile(`(?m)^go (\S+)`).FindStringSubmatch(readFile(t, filepath.Join(built.repo, "go.mod")))
+	if goVersion == nil {
+		t.Fatal("go.mod has no go line")
+	}
+	from := regexp.MustCompile(`(?m)^FROM --platform=\$BUILDPLATFORM golang:([^\s@]+)(@sha256:[0-9a-f]{64})? AS build\s*$`).FindStringSubmatch(build)
+	switch {
+	case from == nil:
+		t.Errorf("the build stage is not FROM --platform=$BUILDPLATFORM golang:<version>[@sha256:<digest>] AS build:\n%s", build)
+	case from[1] != goVersion[1]:
+		t.Errorf("FROM golang:%s, but go.mod says go %s: the build would download another toolchain", from[1], goVersion[1])
+	case from[2] == "":
+		t.Logf("FROM golang:%s is not pinned by digest (no registry where it was written): pin it as the Dockerfile says", from[1])
+	}
+	if !strings.Contains(build, "GOARCH=${TARGETARCH}") || !regexp.MustCompile(`(?m)^ARG TARGETARCH\s*$`).MatchString(build) {
+		t.Error("the build stage does not compile for ${TARGETARCH} (ARG TARGETARCH, GOARCH=${TARGETARCH})")
 	}
 }
 
@@ -300,4 +464,67 @@ func readFile(t *testing.T, p string) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// One architecture (cmd/image -arch amd64) writes that image alone, as before the index: the
+// layout's index.json names its manifest as name:tag, and manifest.json the same image.
+func TestImageOneArchitectureIsOneImage(t *testing.T) {
+	top, err := layout.ImageIndexFromPath(unpacked(t, mustEntries(t, built.tar)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, err := top.ImageIndex(built.digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, _ := platformImage(t, idx, runtime.GOARCH)
+	p := filepath.Join(t.TempDir(), "one.tar")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	digest, err := image.WriteAll(f, built.opts, []v1.Image{img}, imageName, imageTag)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	want, _ := img.Digest()
+	one, err := layout.ImageIndexFromPath(unpacked(t, mustEntries(t, p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	im, err := one.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if digest != want || len(im.Manifests) != 1 || im.Manifests[0].Digest != want || im.Manifests[0].MediaType != "application/vnd.oci.image.manifest.v1+json" ||
+		im.Manifests[0].Annotations["org.opencontainers.image.ref.name"] != imageTag {
+		t.Errorf("one architecture: digest %s, index.json %+v; want the image %s alone, named %s", digest, im.Manifests, want, imageTag)
+	}
+	docker, err := tarball.ImageFromPath(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A docker archive holds no manifest of its own: its image is known by its config.
+	if got, want := configName(t, docker), configName(t, img); got != want {
+		t.Errorf("manifest.json's image has config %s, want %s", got, want)
+	}
+}
+
+func mustEntries(t *testing.T, tarball string) map[string][]byte {
+	t.Helper()
+	files, err := tarEntries(tarball)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return files
+}
+
+func configName(t *testing.T, img v1.Image) v1.Hash {
+	t.Helper()
+	h, err := img.ConfigName()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
 }

@@ -23,16 +23,20 @@ import (
 	"testing"
 	"time"
 
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
 	"github.com/kvmapper/kvmapper/deploy/image"
 )
 
-// built is the image TestMain built from this checkout, and the binary taken out of its layer.
+// built is the image TestMain built from this checkout, as `go -C deploy run ./cmd/image` builds
+// it (an index of image.Platforms), and this machine's binary taken out of its layer.
 var built struct {
 	opts   image.Options
-	tar    string // the image tarball
-	bin    string // /kvmapper, extracted from the tarball's layer
-	deploy string // the deploy module's directory
-	repo   string // the kvmapper checkout
+	tar    string  // the image tarball
+	digest v1.Hash // the index's
+	bin    string  // /kvmapper, extracted from the tarball's layer
+	deploy string  // the deploy module's directory
+	repo   string  // the kvmapper checkout
 }
 
 const (
@@ -53,7 +57,7 @@ func TestMain(m *testing.M) {
 }
 
 // buildImage builds the image of this checkout as `go -C deploy run ./cmd/image` does, into a
-// temporary directory, and extracts its binary.
+// temporary directory, and extracts this machine's binary (the image manifest.json names).
 func buildImage() (string, func(), error) {
 	wd, err := os.Getwd()
 	if err != nil {
@@ -78,12 +82,7 @@ func buildImage() (string, func(), error) {
 		return "", nil, err
 	}
 	built.opts = opts
-	bin := filepath.Join(tmp, "build", "kvmapper")
-	if err := image.BuildBinary(ctx, opts, bin); err != nil {
-		cleanup()
-		return "", nil, err
-	}
-	img, err := image.Build(opts, bin)
+	imgs, err := image.BuildAll(ctx, opts, image.Platforms, filepath.Join(tmp, "build"))
 	if err != nil {
 		cleanup()
 		return "", nil, err
@@ -94,7 +93,7 @@ func buildImage() (string, func(), error) {
 		cleanup()
 		return "", nil, err
 	}
-	if err := image.Write(f, img, imageName, imageTag); err != nil {
+	if built.digest, err = image.WriteAll(f, opts, imgs, imageName, imageTag); err != nil {
 		f.Close()
 		cleanup()
 		return "", nil, err
@@ -294,8 +293,14 @@ func (s *syncBuffer) String() string {
 // start starts the image's binary with args and exactly env (plus PATH), killed at cleanup.
 func start(t *testing.T, name string, args []string, env []string) *process {
 	t.Helper()
+	return startCommand(t, name, built.bin, args, env)
+}
+
+// startCommand starts the program path as start starts the image's binary.
+func startCommand(t *testing.T, name, path string, args []string, env []string) *process {
+	t.Helper()
 	p := &process{t: t, name: name, out: &syncBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(built.bin, args...)
+	p.cmd = exec.Command(path, args...)
 	p.cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + t.TempDir()}, env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	if err := p.cmd.Start(); err != nil {

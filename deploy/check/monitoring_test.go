@@ -11,12 +11,15 @@ import (
 	"testing"
 
 	"github.com/prometheus/common/model"
+	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/model/rulefmt"
 	"github.com/prometheus/prometheus/promql/parser"
 )
 
+// rulesFile is the plain Prometheus rule file, rendered from the chart's
+// files/kvmapper-rules.yaml with the default values (TestPlainManifestsAreCurrent keeps it so).
 func rulesFile() string {
-	return filepath.Join(chartDirOf(), "files", "kvmapper-rules.yaml")
+	return filepath.Join(built.deploy, "prometheus", "kvmapper-rules.yaml")
 }
 
 func dashboardFile() string {
@@ -126,13 +129,17 @@ type dashboard struct {
 	Templating struct {
 		List []struct {
 			Name, Type string
-			Query      any `json:"query"`
+			Query      any    `json:"query"`
+			Definition string `json:"definition"`
 		} `json:"list"`
 	} `json:"templating"`
 	Panels []struct {
-		ID         int    `json:"id"`
-		Type       string `json:"type"`
-		Title      string `json:"title"`
+		ID      int    `json:"id"`
+		Type    string `json:"type"`
+		Title   string `json:"title"`
+		GridPos struct {
+			H, W, X, Y int
+		} `json:"gridPos"`
 		Datasource *struct {
 			Type, UID string
 		} `json:"datasource"`
@@ -183,9 +190,83 @@ func TestDashboardQueriesParse(t *testing.T) {
 			}
 		}
 	}
-	for _, want := range []string{"mapped per second", "lag per partition", "partitions owned", "ownership changes", "dead letters", "publish latency", "stream leaders"} {
+	for _, want := range []string{"mapped per second", "lag per partition", "partitions owned", "ownership changes", "dead letters", "publish latency", "stream leaders",
+		"parked devices", "ownership events", "control watch restarts", "fence records not written", "write mode"} {
 		if !slices.ContainsFunc(titles, func(s string) bool { return strings.Contains(s, want) }) {
 			t.Errorf("no panel titled with %q (panels: %q)", want, titles)
+		}
+	}
+}
+
+// deploymentWide are the dashboard's queries, by panel title and refId, that read every replica
+// of the deployment whatever the Replica variable says: a part of the whole means nothing there.
+var deploymentWide = map[string]string{"Partitions owned": "B"}
+
+// The dashboard narrows every query to the namespace, job and replica chosen: it has an instance
+// variable (its values the instances of the chosen job), and each selector of every query
+// matches namespace=~"$namespace", job=~"$job" and instance=~"$instance" (deploymentWide the
+// last aside). Its panels do not overlap on Grafana's 24-column grid.
+func TestDashboardFiltersByReplica(t *testing.T) {
+	d := loadDashboard(t)
+	var vars []string
+	for _, v := range d.Templating.List {
+		vars = append(vars, v.Name)
+		if v.Name == "instance" && (v.Type != "query" || !regexp.MustCompile(`^label_values\(kvmapper_\w+\{namespace=~"\$namespace", job=~"\$job"\}, instance\)$`).MatchString(v.Definition)) {
+			t.Errorf("the instance variable is a %s of %q, want a query of label_values(kvmapper_…{namespace, job}, instance)", v.Type, v.Definition)
+		}
+	}
+	if !slices.Contains(vars, "instance") {
+		t.Fatalf("the dashboard's variables %q have no instance", vars)
+	}
+	marked := regexp.MustCompile(`\$\{?(\w+)\}?`)
+	for _, p := range d.Panels {
+		for _, tg := range p.Targets {
+			q := marked.ReplaceAllStringFunc(tg.Expr, func(v string) string {
+				if strings.Contains(v, "__") {
+					return "1m"
+				}
+				return "var_" + strings.Trim(v, "${}")
+			})
+			e, err := promql.ParseExpr(q)
+			if err != nil {
+				t.Errorf("panel %q query %s: %v", p.Title, tg.RefID, err)
+				continue
+			}
+			want := []string{"namespace", "job", "instance"}
+			if deploymentWide[p.Title] == tg.RefID {
+				want = want[:2]
+			}
+			parser.Inspect(e, func(n parser.Node, _ []parser.Node) error {
+				vs, ok := n.(*parser.VectorSelector)
+				if !ok {
+					return nil
+				}
+				for _, l := range want {
+					if !slices.ContainsFunc(vs.LabelMatchers, func(m *labels.Matcher) bool {
+						return m.Name == l && m.Type == labels.MatchRegexp && m.Value == "var_"+l
+					}) {
+						t.Errorf("panel %q query %s: %s does not match %s=~\"$%s\"", p.Title, tg.RefID, vs, l, l)
+					}
+				}
+				return nil
+			})
+		}
+	}
+	type cell struct{ x, y int }
+	taken := map[cell]string{}
+	for _, p := range d.Panels {
+		g := p.GridPos
+		if g.W <= 0 || g.H <= 0 || g.X < 0 || g.X+g.W > 24 {
+			t.Errorf("panel %q at %+v: off Grafana's 24-column grid", p.Title, g)
+		}
+		for x := g.X; x < g.X+g.W; x++ {
+			for y := g.Y; y < g.Y+g.H; y++ {
+				if other, ok := taken[cell{x, y}]; ok {
+					t.Errorf("panel %q at %+v overlaps panel %q", p.Title, g, other)
+					return
+				}
+				taken[cell{x, y}] = p.Title
+			}
 		}
 	}
 }

@@ -1,7 +1,9 @@
 // Package image builds kvmapper's container image with no container daemon and no registry: a
 // static kvmapper binary (CGO_ENABLED=0) on an empty base, with CA certificates and a non-root
-// user, labelled with OCI annotations, written as one tar file that holds an OCI image layout
-// and a docker manifest.json beside it, so that both docker load and podman load take it.
+// user, labelled with OCI annotations, for each of [Platforms] (Go cross-compiles), gathered in
+// an OCI image index and written as one tar file that holds an OCI image layout and a docker
+// manifest.json beside it (the build machine's architecture), so that both docker load and
+// podman load take it.
 //
 // The Dockerfile at the repository's root builds the same image with a registry: the same
 // binary flags, the same files (rootfs/ here), the same entrypoint, user and labels.
@@ -21,6 +23,7 @@ import (
 	"os"
 	"os/exec"
 	"path"
+	"path/filepath"
 	"regexp"
 	"runtime"
 	"sort"
@@ -51,6 +54,18 @@ const (
 // Cmd is the image's default command after [Binary]: one replica (`docker run IMAGE --help`
 // replaces it).
 var Cmd = []string{"run"}
+
+// Platforms are the architectures the image is built for unless told otherwise, each a linux
+// manifest of the image index, in its order.
+var Platforms = []string{"amd64", "arm64"}
+
+// variant is the OCI platform variant of arch: arm64 is v8, as the official images say.
+func variant(arch string) string {
+	if arch == "arm64" {
+		return "v8"
+	}
+	return ""
+}
 
 // rootfs holds the files the image adds besides the binary and the CA bundle.
 //
@@ -231,7 +246,7 @@ func Build(opts Options, bin string) (v1.Image, error) {
 		return nil, fmt.Errorf("image: %w", err)
 	}
 	cf = cf.DeepCopy()
-	cf.Architecture, cf.OS = opts.arch(), "linux"
+	cf.Architecture, cf.OS, cf.Variant = opts.arch(), "linux", variant(opts.arch())
 	cf.Created = v1.Time{Time: opts.Created}
 	cf.Config = v1.Config{
 		Entrypoint: []string{Binary},
@@ -244,6 +259,51 @@ func Build(opts Options, bin string) (v1.Image, error) {
 		return nil, fmt.Errorf("image: %w", err)
 	}
 	return mutate.Annotations(img, opts.Labels()).(v1.Image), nil
+}
+
+// BuildAll compiles the kvmapper of opts.Root for each of archs (opts.Arch aside) into dir and
+// returns the image of each, in archs' order.
+func BuildAll(ctx context.Context, opts Options, archs []string, dir string) ([]v1.Image, error) {
+	if len(archs) == 0 {
+		return nil, errors.New("image: no architecture to build for")
+	}
+	var imgs []v1.Image
+	for _, arch := range archs {
+		o := opts
+		o.Arch = arch
+		bin := filepath.Join(dir, arch, "kvmapper")
+		if err := BuildBinary(ctx, o, bin); err != nil {
+			return nil, err
+		}
+		img, err := Build(o, bin)
+		if err != nil {
+			return nil, err
+		}
+		imgs = append(imgs, img)
+	}
+	return imgs, nil
+}
+
+// Index returns the OCI image index of imgs, one manifest each, its descriptor naming the
+// image's platform (as its config says), annotated with opts' labels as the images are.
+func Index(opts Options, imgs []v1.Image) (v1.ImageIndex, error) {
+	idx := mutate.IndexMediaType(empty.Index, types.OCIImageIndex)
+	seen := map[string]bool{}
+	for _, img := range imgs {
+		cf, err := img.ConfigFile()
+		if err != nil {
+			return nil, fmt.Errorf("image: %w", err)
+		}
+		p := v1.Platform{OS: cf.OS, Architecture: cf.Architecture, Variant: cf.Variant}
+		if seen[p.String()] {
+			return nil, fmt.Errorf("image: two images for %s", p.String())
+		}
+		seen[p.String()] = true
+		idx = mutate.AppendManifests(idx, mutate.IndexAddendum{Add: img, Descriptor: v1.Descriptor{
+			MediaType: types.OCIManifestSchema1, Platform: &p,
+		}})
+	}
+	return mutate.Annotations(idx, opts.Labels()).(v1.ImageIndex), nil
 }
 
 type file struct {
@@ -306,104 +366,226 @@ func FullName(name string) string {
 	return "docker.io/" + name
 }
 
+// layoutTar writes the files of an OCI image layout, and a docker archive's manifest.json beside
+// it, into one tar; each blob once.
+type layoutTar struct {
+	tw    *tar.Writer
+	mtime time.Time
+	blobs map[v1.Hash]bool
+}
+
+func (l *layoutTar) add(name string, data []byte) error {
+	if err := l.tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), ModTime: l.mtime, Typeflag: tar.TypeReg}); err != nil {
+		return err
+	}
+	_, err := l.tw.Write(data)
+	return err
+}
+
+func blobPath(h v1.Hash) string { return "blobs/" + h.Algorithm + "/" + h.Hex }
+
+func (l *layoutTar) blob(h v1.Hash, data []byte) error {
+	if l.blobs[h] {
+		return nil
+	}
+	l.blobs[h] = true
+	return l.add(blobPath(h), data)
+}
+
+// image writes img's config, layers and manifest as blobs and returns its manifest's descriptor
+// and the docker archive's entry for it.
+func (l *layoutTar) image(img v1.Image) (v1.Descriptor, tarball.Descriptor, error) {
+	var entry tarball.Descriptor
+	cfgName, err := img.ConfigName()
+	if err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	cfg, err := img.RawConfigFile()
+	if err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	if err := l.blob(cfgName, cfg); err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	entry.Config = blobPath(cfgName)
+	layers, err := img.Layers()
+	if err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	for _, layer := range layers {
+		d, err := layer.Digest()
+		if err != nil {
+			return v1.Descriptor{}, entry, err
+		}
+		rc, err := layer.Compressed()
+		if err != nil {
+			return v1.Descriptor{}, entry, err
+		}
+		b, err := io.ReadAll(rc)
+		rc.Close()
+		if err != nil {
+			return v1.Descriptor{}, entry, err
+		}
+		if err := l.blob(d, b); err != nil {
+			return v1.Descriptor{}, entry, err
+		}
+		entry.Layers = append(entry.Layers, blobPath(d))
+	}
+	raw, err := img.RawManifest()
+	if err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	digest, err := img.Digest()
+	if err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	if err := l.blob(digest, raw); err != nil {
+		return v1.Descriptor{}, entry, err
+	}
+	return v1.Descriptor{MediaType: types.OCIManifestSchema1, Digest: digest, Size: int64(len(raw))}, entry, nil
+}
+
+// finish writes oci-layout, index.json naming top as name:tag, and manifest.json tagging the
+// docker archive's entry name:tag.
+func (l *layoutTar) finish(top v1.Descriptor, entry tarball.Descriptor, name, tag string) error {
+	top.Annotations = map[string]string{
+		"org.opencontainers.image.ref.name": tag,
+		"io.containerd.image.name":          FullName(name) + ":" + tag,
+	}
+	index, err := json.Marshal(v1.IndexManifest{SchemaVersion: 2, MediaType: types.OCIImageIndex, Manifests: []v1.Descriptor{top}})
+	if err != nil {
+		return err
+	}
+	if err := l.add("index.json", index); err != nil {
+		return err
+	}
+	entry.RepoTags = []string{name + ":" + tag}
+	manifest, err := json.Marshal([]tarball.Descriptor{entry})
+	if err != nil {
+		return err
+	}
+	if err := l.add("manifest.json", manifest); err != nil {
+		return err
+	}
+	return l.tw.Close()
+}
+
+func newLayoutTar(w io.Writer, mtime time.Time) (*layoutTar, error) {
+	l := &layoutTar{tw: tar.NewWriter(w), mtime: mtime, blobs: map[v1.Hash]bool{}}
+	return l, l.add("oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`))
+}
+
 // Write writes img to w as a tar of an OCI image layout (oci-layout, index.json, blobs/) whose
 // index names it name:tag, plus the manifest.json of `docker save` pointing into the same
 // blobs, as Docker 25 and later write it: docker load, podman load and any OCI tool read it.
 func Write(w io.Writer, img v1.Image, name, tag string) error {
-	tw := tar.NewWriter(w)
 	var mtime time.Time
 	if cf, err := img.ConfigFile(); err == nil {
 		mtime = cf.Created.Time
 	}
-	add := func(name string, data []byte) error {
-		if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), ModTime: mtime, Typeflag: tar.TypeReg}); err != nil {
-			return err
-		}
-		_, err := tw.Write(data)
-		return err
-	}
-	blob := func(h v1.Hash) string { return "blobs/" + h.Algorithm + "/" + h.Hex }
 	err := func() error {
-		if err := add("oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`)); err != nil {
-			return err
-		}
-		cfgName, err := img.ConfigName()
+		l, err := newLayoutTar(w, mtime)
 		if err != nil {
 			return err
 		}
-		cfg, err := img.RawConfigFile()
+		desc, entry, err := l.image(img)
 		if err != nil {
 			return err
 		}
-		if err := add(blob(cfgName), cfg); err != nil {
-			return err
-		}
-		layers, err := img.Layers()
-		if err != nil {
-			return err
-		}
-		var layerPaths []string
-		for _, l := range layers {
-			d, err := l.Digest()
-			if err != nil {
-				return err
-			}
-			rc, err := l.Compressed()
-			if err != nil {
-				return err
-			}
-			b, err := io.ReadAll(rc)
-			rc.Close()
-			if err != nil {
-				return err
-			}
-			if err := add(blob(d), b); err != nil {
-				return err
-			}
-			layerPaths = append(layerPaths, blob(d))
-		}
-		raw, err := img.RawManifest()
-		if err != nil {
-			return err
-		}
-		digest, err := img.Digest()
-		if err != nil {
-			return err
-		}
-		if err := add(blob(digest), raw); err != nil {
-			return err
-		}
-		ref := name + ":" + tag
-		index, err := json.Marshal(v1.IndexManifest{
-			SchemaVersion: 2,
-			MediaType:     types.OCIImageIndex,
-			Manifests: []v1.Descriptor{{
-				MediaType: types.OCIManifestSchema1,
-				Digest:    digest,
-				Size:      int64(len(raw)),
-				Annotations: map[string]string{
-					"org.opencontainers.image.ref.name": tag,
-					"io.containerd.image.name":          FullName(name) + ":" + tag,
-				},
-			}},
-		})
-		if err != nil {
-			return err
-		}
-		if err := add("index.json", index); err != nil {
-			return err
-		}
-		manifest, err := json.Marshal([]tarball.Descriptor{{Config: blob(cfgName), RepoTags: []string{ref}, Layers: layerPaths}})
-		if err != nil {
-			return err
-		}
-		if err := add("manifest.json", manifest); err != nil {
-			return err
-		}
-		return tw.Close()
+		return l.finish(desc, entry, name, tag)
 	}()
 	if err != nil {
 		return fmt.Errorf("image: writing the image tar: %w", err)
 	}
 	return nil
+}
+
+// WriteIndex writes idx to w as Write writes an image: an OCI image layout whose index.json names
+// the image index name:tag (each platform's image in its blobs), and the manifest.json of
+// `docker save` for the image of architecture local alone, which a docker load without
+// containerd's image store (one platform an image) takes.
+func WriteIndex(w io.Writer, idx v1.ImageIndex, name, tag, local string) error {
+	err := func() error {
+		im, err := idx.IndexManifest()
+		if err != nil {
+			return err
+		}
+		var l *layoutTar
+		var localEntry *tarball.Descriptor
+		for _, d := range im.Manifests {
+			img, err := idx.Image(d.Digest)
+			if err != nil {
+				return err
+			}
+			if l == nil {
+				cf, err := img.ConfigFile()
+				if err != nil {
+					return err
+				}
+				if l, err = newLayoutTar(w, cf.Created.Time); err != nil {
+					return err
+				}
+			}
+			_, entry, err := l.image(img)
+			if err != nil {
+				return err
+			}
+			if d.Platform != nil && d.Platform.Architecture == local {
+				localEntry = &entry
+			}
+		}
+		if l == nil {
+			return errors.New("the index has no image")
+		}
+		if localEntry == nil {
+			return fmt.Errorf("the index has no image for %s, which docker load would take", local)
+		}
+		raw, err := idx.RawManifest()
+		if err != nil {
+			return err
+		}
+		digest, err := idx.Digest()
+		if err != nil {
+			return err
+		}
+		if err := l.blob(digest, raw); err != nil {
+			return err
+		}
+		return l.finish(v1.Descriptor{MediaType: types.OCIImageIndex, Digest: digest, Size: int64(len(raw))}, *localEntry, name, tag)
+	}()
+	if err != nil {
+		return fmt.Errorf("image: writing the image tar: %w", err)
+	}
+	return nil
+}
+
+// WriteAll writes what `go -C deploy run ./cmd/image` writes for imgs (from [BuildAll]): the image
+// itself for one ([Write]), else their [Index] ([WriteIndex]), whose docker manifest.json names
+// this machine's architecture's image (or the first one's); and returns the digest to pin, the
+// image's or the index's.
+func WriteAll(w io.Writer, opts Options, imgs []v1.Image, name, tag string) (v1.Hash, error) {
+	if len(imgs) == 1 {
+		if err := Write(w, imgs[0], name, tag); err != nil {
+			return v1.Hash{}, err
+		}
+		return imgs[0].Digest()
+	}
+	idx, err := Index(opts, imgs)
+	if err != nil {
+		return v1.Hash{}, err
+	}
+	local := ""
+	for _, img := range imgs {
+		cf, err := img.ConfigFile()
+		if err != nil {
+			return v1.Hash{}, fmt.Errorf("image: %w", err)
+		}
+		if local == "" || cf.Architecture == runtime.GOARCH {
+			local = cf.Architecture
+		}
+	}
+	if err := WriteIndex(w, idx, name, tag, local); err != nil {
+		return v1.Hash{}, err
+	}
+	return idx.Digest()
 }

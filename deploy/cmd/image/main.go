@@ -1,11 +1,14 @@
 // Command image builds kvmapper's container image from a checkout with no container daemon and
 // no registry, as one tar file that docker load and podman load accept:
 //
-//	go -C deploy run ./cmd/image                  # writes dist/kvmapper-<version>-linux-<arch>.tar
-//	docker load -i dist/kvmapper-<version>-linux-amd64.tar
+//	go -C deploy run ./cmd/image                  # writes dist/kvmapper-<version>.tar
+//	docker load -i dist/kvmapper-<version>.tar
 //
-// It compiles a static kvmapper (CGO_ENABLED=0) with its version and commit stamped in, and puts
-// it on an empty base with the machine's CA certificates and the non-root user kvmapper (65532).
+// It compiles a static kvmapper (CGO_ENABLED=0) with its version and commit stamped in for each
+// architecture (linux/amd64 and linux/arm64 unless -arch says otherwise: Go cross-compiles), puts
+// each on an empty base with the machine's CA certificates and the non-root user kvmapper
+// (65532), and gathers them in an OCI image index. With one -arch, the tar holds that image alone
+// (dist/kvmapper-<version>-linux-<arch>.tar).
 package main
 
 import (
@@ -15,7 +18,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"runtime"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvmapper/kvmapper/deploy/image"
@@ -32,8 +36,9 @@ func run() error {
 	var opts image.Options
 	var out, name, tag, created string
 	flag.StringVar(&opts.Root, "root", "..", "the kvmapper checkout (its go.mod's directory); the default is right for go -C deploy run")
-	flag.StringVar(&out, "o", "", "the image tar to write (default: <root>/dist/kvmapper-<tag>-linux-<arch>.tar)")
-	flag.StringVar(&opts.Arch, "arch", "", "GOARCH of the binary and the image (default: this machine's)")
+	var archList string
+	flag.StringVar(&out, "o", "", "the image tar to write (default: <root>/dist/kvmapper-<tag>.tar, or …-linux-<arch>.tar for one -arch)")
+	flag.StringVar(&archList, "arch", strings.Join(image.Platforms, ","), "GOARCH of the binaries and images, comma-separated: one builds an image, several an image index")
 	flag.StringVar(&opts.Version, "version", "", "version to stamp and tag (default: git describe --tags --always --dirty)")
 	flag.StringVar(&opts.Commit, "commit", "", "commit to stamp (default: git rev-parse HEAD)")
 	flag.StringVar(&created, "created", "", "creation time, RFC 3339 (default: the commit's time, so that a commit always builds the same image)")
@@ -72,12 +77,16 @@ func run() error {
 	if tag == "" {
 		tag = image.Tag(opts.Version)
 	}
-	arch := opts.Arch
-	if arch == "" {
-		arch = runtime.GOARCH
+	archs := strings.Split(archList, ",")
+	if archList == "" || slices.Contains(archs, "") {
+		return fmt.Errorf("-arch %q: want GOARCH values separated by commas, e.g. amd64,arm64", archList)
 	}
 	if out == "" {
-		out = filepath.Join(root, "dist", fmt.Sprintf("kvmapper-%s-linux-%s.tar", tag, arch))
+		name := fmt.Sprintf("kvmapper-%s.tar", tag)
+		if len(archs) == 1 {
+			name = fmt.Sprintf("kvmapper-%s-linux-%s.tar", tag, archs[0])
+		}
+		out = filepath.Join(root, "dist", name)
 	}
 
 	tmp, err := os.MkdirTemp("", "kvmapper-image-")
@@ -85,11 +94,7 @@ func run() error {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	bin := filepath.Join(tmp, "kvmapper")
-	if err := image.BuildBinary(ctx, opts, bin); err != nil {
-		return err
-	}
-	img, err := image.Build(opts, bin)
+	imgs, err := image.BuildAll(ctx, opts, archs, tmp)
 	if err != nil {
 		return err
 	}
@@ -100,7 +105,8 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	if err := image.Write(f, img, name, tag); err != nil {
+	digest, err := image.WriteAll(f, opts, imgs, name, tag)
+	if err != nil {
 		f.Close()
 		return err
 	}
@@ -110,12 +116,12 @@ func run() error {
 	if err := os.Rename(out+".part", out); err != nil {
 		return err
 	}
-	digest, err := img.Digest()
-	if err != nil {
-		return err
+	what := "image"
+	if len(imgs) > 1 {
+		what = "image index"
 	}
-	fmt.Printf("wrote %s: %s:%s (%s, linux/%s, kvmapper %s, commit %s)\n", out, name, tag, digest, arch, opts.Version, opts.Commit)
-	fmt.Printf("load it with: docker load -i %s   (or podman load -i …)\n", out)
+	fmt.Printf("wrote %s: %s:%s (%s %s, linux/%s, kvmapper %s, commit %s)\n", out, name, tag, what, digest, strings.Join(archs, ", linux/"), opts.Version, opts.Commit)
+	fmt.Printf("load it with: docker load -i %s   (or podman load -i …); pin it by that digest (the chart's image.digest) once pushed\n", out)
 	return nil
 }
 
