@@ -71,6 +71,8 @@ func (e *entry) since(from int) string {
 type laneStats struct {
 	acked, checkpoint, pending atomic.Uint64
 	inFlight                   atomic.Int64
+	next                       atomic.Uint64 // the sequence the reader hands on next
+	w                          waitStats     // what the lane's watcher reads (wait.go)
 }
 
 // delivery is a consumed message with its stream sequence, handed from reader to lane.
@@ -134,6 +136,10 @@ type lane struct {
 
 	stats laneStats // read by Pool.Partitions from other goroutines
 
+	// replace (capacity 1) tells the reader to replace a consumer that delivers nothing
+	// (wait.go).
+	replace chan struct{}
+
 	clock leaseClock // the lease's clock, read once per burst of checks (see leaseclock.go)
 
 	fields   subjects.Fields
@@ -189,6 +195,11 @@ func (l *lane) run(ctx context.Context) error {
 	l.feed.room = make(chan struct{}, 1)
 	l.stats.acked.Store(start)
 	l.stats.checkpoint.Store(start)
+	l.stats.next.Store(start + 1)
+	now := time.Now()
+	l.stats.w.quietSince.Store(now)
+	l.stats.w.gateSince.Store(now)
+	l.replace = make(chan struct{}, 1)
 	l.p.register(l)
 	defer l.p.unregister(l)
 	closeInbox, err := l.startWriter(ctx)
@@ -216,6 +227,7 @@ func (l *lane) run(ctx context.Context) error {
 		l.read(readCtx, start+1, in)
 	}()
 	wg.Go(func() { l.watchIncarnation(readCtx) })
+	wg.Go(func() { l.watchWaits(readCtx, l.replace) })
 	defer func() {
 		stopReading()
 		wg.Wait()
@@ -264,12 +276,15 @@ func (l *lane) run(ctx context.Context) error {
 		switch {
 		case l.held != nil:
 			wake = l.grant.wake
+			l.setGate(gateWindow)
 		case l.acked > l.checkpointed && time.Since(l.dirtySince) > l.p.cfg.MaxCheckpointAge:
 			// The prefix moved past the checkpoint too long ago: a takeover now would resend
 			// more than OUTGOING's duplicate window still recognises. Take nothing new until a
 			// write succeeds (the tick keeps trying).
+			l.setGate(gateCheckpoint)
 		default:
 			inc = in
+			l.setGate(gateNone)
 		}
 		if l.parkHeld() {
 			wake = l.grant.wake
@@ -357,6 +372,9 @@ func (l *lane) admit(e *entry) bool {
 func (l *lane) push(e *entry) {
 	e.om.Key, e.om.Stream = e.seq, streamOf(e)
 	l.q = append(l.q, e)
+	if len(l.q) == 1 {
+		l.noteHead()
+	}
 	l.w.Send(&e.om)
 	l.stats.inFlight.Store(int64(len(l.q)))
 }
@@ -396,6 +414,9 @@ func (l *lane) popSettled() {
 		}
 		e.reset()
 		l.free = append(l.free, e)
+	}
+	if n > 0 {
+		l.noteHead()
 	}
 	l.p.window.give(&l.grant, n, bytes)
 }

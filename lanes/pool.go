@@ -134,6 +134,11 @@ type Config struct {
 	// (its stream without a leader, or unreachable) before it gives the partition up with
 	// [ErrFenceWrite]; a record the stream refuses for good gives it up at once. Default 30s.
 	FenceTimeout time.Duration
+	// WaitWarnAfter is how long a lane waits (for a publish's answer, for its consumer to
+	// deliver what its stream holds, for room in the window, for a checkpoint write) before it
+	// logs what it waits for and shows it in [PartitionStats.Waiting] (see wait.go); a consumer
+	// that delivers nothing is replaced then. Default 3s.
+	WaitWarnAfter time.Duration
 	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
 	NoProvenance bool
 	// Park holds devices without a mapping in the PARKED stream until they get one (see
@@ -189,6 +194,7 @@ func (c *Config) setDefaults() error {
 		c.MaxCheckpointAge = time.Minute
 	}
 	c.FenceTimeout = cmp.Or(c.FenceTimeout, 30*time.Second)
+	c.WaitWarnAfter = cmp.Or(c.WaitWarnAfter, 3*time.Second)
 	if c.IncarnationCheck == 0 {
 		c.IncarnationCheck = 2 * time.Second
 	}
@@ -324,6 +330,9 @@ type PartitionStats struct {
 	InFlight   int    // publishes awaiting acknowledgement
 	// ParkedDevices and ParkedMessages are what the lane holds parked now, as far as it knows.
 	ParkedDevices, ParkedMessages int64
+	// Waiting is what the lane has waited for longer than Config.WaitWarnAfter, nil when it
+	// has not (see wait.go).
+	Waiting *Wait
 }
 
 // Lag is how many messages of the partition are not yet acknowledged by OUTGOING or UNMAPPED.
@@ -341,6 +350,7 @@ func (p *Pool) Partitions() []PartitionStats {
 			Checkpoint: l.stats.checkpoint.Load(),
 			Pending:    l.stats.pending.Load(),
 			InFlight:   int(l.stats.inFlight.Load()),
+			Waiting:    l.stats.w.wait.Load(),
 		})
 		if l.park != nil {
 			out[len(out)-1].ParkedDevices, out[len(out)-1].ParkedMessages = l.park.nDevices.Load(), l.park.nMsgs.Load()

@@ -1,6 +1,7 @@
 package lanes
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -51,6 +52,10 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		}
 		if ctx.Err() != nil {
 			return
+		}
+		if errors.Is(err, errConsumerQuiet) {
+			// The lane's watcher found it delivering nothing and warned: the next at once.
+			continue
 		}
 		if errors.Is(err, ErrIncomingRecreated) {
 			select {
@@ -173,6 +178,10 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	if ci := cons.CachedInfo(); ci != nil && ci.Cluster != nil {
 		host = ci.Cluster.Leader
 	}
+	// On one server, the consumer is where the lane is connected (what the watcher names).
+	where := cmp.Or(host, l.p.nc.ConnectedServerName())
+	l.stats.w.consumer.Store(&where)
+	l.stats.w.quietSince.Store(time.Now())
 	if l.p.stopping(host) {
 		// Placed on a server that has said it is shutting down: it would vanish without a word.
 		return fmt.Errorf("%w: %s", errOnStoppingServer, host)
@@ -192,6 +201,8 @@ func (l *lane) consume(ctx context.Context, next *uint64, out chan<- delivery, c
 	select {
 	case <-ctx.Done():
 	case why = <-r.failed:
+	case <-l.replace:
+		why = errConsumerQuiet
 	}
 	if errors.Is(why, jetstream.ErrServerShutdown) {
 		l.p.stopped(host)
@@ -285,6 +296,8 @@ func (r *reader) handle(m jetstream.Msg) {
 		r.dseq = ack.ConsumerSeq
 		*r.next = ack.StreamSeq + 1
 		l.stats.pending.Store(ack.Pending)
+		l.stats.next.Store(ack.StreamSeq + 1)
+		l.stats.w.quietSince.Store(time.Now())
 	case <-r.ctx.Done():
 		l.feed.taken(d.size) // not handed on after all
 	}

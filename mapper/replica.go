@@ -609,6 +609,9 @@ func (r *Replica) report() status.Report {
 			Pending: p.Pending, InFlight: p.InFlight, Lag: p.Lag(),
 			ParkedDevices: p.ParkedDevices, ParkedMessages: p.ParkedMessages,
 		})
+		if w := p.Waiting; w != nil {
+			rep.Partitions[len(rep.Partitions)-1].Waiting = &status.Waiting{For: w.For, Stream: w.Stream, Server: w.Server, Since: w.Since}
+		}
 	}
 	return rep
 }
@@ -647,6 +650,9 @@ func (r *Replica) metricsSnapshot(ctx context.Context) metrics.Snapshot {
 		s.Partitions = append(s.Partitions, metrics.Partition{
 			Partition: p.Partition, Epoch: p.Epoch, Acked: p.Acked, Checkpoint: p.Checkpoint, Lag: p.Lag(),
 		})
+		if p.Waiting != nil {
+			s.Partitions[len(s.Partitions)-1].Waiting = time.Since(p.Waiting.Since)
+		}
 	}
 	if r.events != nil {
 		s.EventsPublished, s.EventsDropped = r.events.Published(), r.events.Dropped()

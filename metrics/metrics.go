@@ -80,6 +80,9 @@ type Partition struct {
 	Acked      uint64 // last INCOMING sequence of the contiguous acknowledged prefix
 	Checkpoint uint64 // last sequence written to checkpoint.<p>
 	Lag        uint64 // messages of the partition not yet acknowledged downstream
+	// Waiting is how long the lane has waited for a publish's answer, its consumer, room in
+	// the window or a checkpoint write, once past a few seconds (lanes.Wait); 0 otherwise.
+	Waiting time.Duration
 }
 
 // Source returns the replica's state at scrape time. It is called once per scrape, from the
@@ -262,6 +265,7 @@ var (
 	descInFlight   = prometheus.NewDesc("kvmapper_in_flight", "Publishes awaiting acknowledgement.", nil, nil)
 	descOwned      = prometheus.NewDesc("kvmapper_partitions_owned", "Partitions this replica holds a lease for.", nil, nil)
 	descLag        = prometheus.NewDesc("kvmapper_partition_lag_messages", "Messages of the partition in INCOMING not yet acknowledged downstream (running lanes only).", []string{"partition"}, nil)
+	descWait       = prometheus.NewDesc("kvmapper_partition_wait_seconds", "How long the partition's lane has been waiting for a publish's answer, its consumer, room in the in-flight window or a checkpoint write, once past a few seconds (kvmapper status says what for); 0 while it is not waiting.", []string{"partition"}, nil)
 	descCheckpoint = prometheus.NewDesc("kvmapper_partition_checkpoint_sequence", "INCOMING sequence last written to checkpoint.<p>.", []string{"partition"}, nil)
 	descAcked      = prometheus.NewDesc("kvmapper_partition_acked_sequence", "Last INCOMING sequence of the partition's contiguous acknowledged prefix.", []string{"partition"}, nil)
 	descEpoch      = prometheus.NewDesc("kvmapper_partition_epoch", "Lease revision at claim (fencing token) of the partition's running lane.", []string{"partition"}, nil)
@@ -283,7 +287,7 @@ var (
 	descWriteMode  = prometheus.NewDesc("kvmapper_write_mode", "1 for how the replica writes an output stream: atomic or fast-ingest batches (a leader change reorders nothing), or single publishes.", []string{"stream", "mode"}, nil)
 	descWatchRest  = prometheus.NewDesc("kvmapper_control_watch_restarts_total", "Control bucket watches replaced because they stopped showing this replica's own lease writes (the watch's consumer cut off from the bucket's leader): leases are judged from a new watch.", nil, nil)
 	descFollowSeen = prometheus.NewDesc("kvmapper_stream_follower_seen_seconds", "Since the leader of the stream or bucket last heard from a follower.", []string{"stream", "server"}, nil)
-	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
+	collectorDescs = []*prometheus.Desc{descMapped, descUnmapped, descDuplicates, descRetries, descFailures, descDropped, descReorders, descInFlight, descOwned, descLag, descWait, descCheckpoint, descAcked, descEpoch, descDevices, descRevision, descWatchLag, descEventsPub, descEventsDrop,
 		descParked, descReleased, descParkedDevs, descParkedMsgs,
 		descLeaseTTL, descReplicas, descHasLeader, descLeader, descFollowLag, descFollowCur, descFollowSeen, descWriteMode, descWatchRest}
 )
@@ -323,6 +327,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range s.Partitions {
 		l := strconv.Itoa(p.Partition)
 		gauge(descLag, float64(p.Lag), l)
+		gauge(descWait, p.Waiting.Seconds(), l)
 		gauge(descCheckpoint, float64(p.Checkpoint), l)
 		gauge(descAcked, float64(p.Acked), l)
 		gauge(descEpoch, float64(p.Epoch), l)

@@ -291,3 +291,21 @@ func TestStreamReplication(t *testing.T) {
 		t.Errorf("Registry().Gather() = %v", err)
 	}
 }
+
+// A partition's wait shows in seconds, and 0 for one that does not wait.
+func TestPartitionWait(t *testing.T) {
+	m, err := metrics.New(func(context.Context) metrics.Snapshot {
+		return metrics.Snapshot{WatchLag: -1, Partitions: []metrics.Partition{{Partition: 1}, {Partition: 2, Waiting: 4500 * time.Millisecond}}}
+	}, metrics.Config{Ready: func() error { return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(m.Handler())
+	defer hs.Close()
+	_, body := get(t, hs.URL+"/metrics")
+	for _, want := range []string{"\nkvmapper_partition_wait_seconds{partition=\"1\"} 0\n", "\nkvmapper_partition_wait_seconds{partition=\"2\"} 4.5\n"} {
+		if !strings.Contains(body, want) {
+			t.Errorf("GET /metrics lacks %q", want)
+		}
+	}
+}

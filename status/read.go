@@ -164,6 +164,7 @@ func Read(ctx context.Context, js jetstream.JetStream, cfg ReadConfig) (*Snapsho
 		for _, pr := range r.Partitions {
 			if pr.Partition == p.Partition {
 				p.Epoch, p.Acked, p.Lag, p.LagFrom = pr.Epoch, pr.Acked, pr.Lag, "replica"
+				p.Waiting = pr.Waiting
 			}
 		}
 	}

@@ -72,6 +72,7 @@ func (s *Snapshot) WriteText(w io.Writer) error {
 	if len(unowned) > 0 {
 		fmt.Fprintf(w, "unowned partitions: %s\n", strings.Join(unowned, ", "))
 	}
+	s.writeWaiting(w)
 	var stale []string
 	for _, p := range s.Partitions {
 		if p.StaleCheckpoint {
@@ -262,4 +263,34 @@ func (s *Snapshot) writeInvalid(w io.Writer) {
 	fmt.Fprintf(w, "%s whose value the templates cannot use (%s), in replica %s's table at revision %d: "+
 		"their messages go to UNMAPPED with that reason, or wait in PARKED (--on-unmapped park), until the value is fixed\n",
 		plural(total, "device"), strings.Join(parts, ", "), best.Replica, best.Table.Revision)
+}
+
+// writeWaiting writes a line for each partition whose owner's lane has been waiting for more
+// than a few seconds: for what, on which stream and server, since when.
+func (s *Snapshot) writeWaiting(w io.Writer) {
+	for _, p := range s.Partitions {
+		wt := p.Waiting
+		if wt == nil {
+			continue
+		}
+		var what string
+		switch wt.For {
+		case "publish":
+			what = "for " + wt.Stream + " to store its publishes"
+		case "consumer":
+			what = "for its consumer on " + wt.Stream + " to deliver what the stream holds (the lane replaces it)"
+		case "window":
+			what = "for room in its replica's in-flight window (other partitions' publishes hold it)"
+		case "checkpoint":
+			what = "for its checkpoint to be written to " + wt.Stream + " (it takes nothing new meanwhile)"
+		default:
+			what = "for " + wt.For
+		}
+		on := ""
+		if wt.Server != "" {
+			on = " on server " + wt.Server
+		}
+		fmt.Fprintf(w, "partition %d has waited %s %s%s, since %s\n", p.Partition,
+			s.At.Sub(wt.Since).Round(100*time.Millisecond), what, on, wt.Since.UTC().Format("15:04:05.0"))
+	}
 }

@@ -38,6 +38,20 @@ type PartitionReport struct {
 	// ParkedDevices and ParkedMessages are what the lane holds parked, as far as it knows.
 	ParkedDevices  int64 `json:"parked_devices,omitempty"`
 	ParkedMessages int64 `json:"parked_messages,omitempty"`
+	// Waiting is what the lane has been waiting for, for more than a few seconds; nil when it
+	// has not (lanes.Wait).
+	Waiting *Waiting `json:"waiting,omitempty"`
+}
+
+// Waiting is what a partition's lane waits for: "publish" (its oldest publish has no answer
+// from Stream), "consumer" (its consumer on Stream delivers nothing the stream's leader
+// holds), "window" (the replica's in-flight window is full) or "checkpoint" (it takes nothing
+// new until its checkpoint is written), on which server when known, since when.
+type Waiting struct {
+	For    string    `json:"for"`
+	Stream string    `json:"stream,omitempty"`
+	Server string    `json:"server,omitempty"`
+	Since  time.Time `json:"since"`
 }
 
 // Counters are a replica's totals since it started.

@@ -89,6 +89,9 @@ type Partition struct {
 	// ParkedDevices and ParkedMessages are what PARKED holds of the partition.
 	ParkedDevices  int    `json:"parked_devices,omitempty"`
 	ParkedMessages uint64 `json:"parked_messages,omitempty"`
+	// Waiting is what the owner's lane has been waiting for, from the owner's report; nil when
+	// nothing, or the owner did not answer.
+	Waiting *Waiting `json:"waiting,omitempty"`
 	// Rate is messages per second republished, between the previous snapshot and this one;
 	// nil when there was no previous snapshot or the partition moved back.
 	Rate *float64 `json:"rate,omitempty"`

@@ -216,12 +216,15 @@ func testRead(t *testing.T, e *env) {
 			t.Fatal(err)
 		}
 	}
-	// Only r0 answers; it reports a lag of 1000+p, which is not what the stream would say.
+	// Only r0 answers; it reports a lag of 1000+p, which is not what the stream would say, and
+	// partition 5 waiting for OUTGOING since 12 s before the read.
+	waitSince := time.Now().Add(-12 * time.Second)
 	newService(t, e.srv.Connect(t), "r0", func() status.Report {
 		r := status.Report{Ready: true, Owned: []int{0, 1, 2, 3, 4, 5, 6, 7}}
 		for p := range 8 {
 			r.Partitions = append(r.Partitions, status.PartitionReport{Partition: p, Epoch: uint64(100 + p), Acked: checkpoint[p], Lag: uint64(1000 + p)})
 		}
+		r.Partitions[5].Waiting = &status.Waiting{For: "publish", Stream: "OUTGOING", Server: "n2", Since: waitSince}
 		return r
 	})
 	natstest.Eventually(t, 5*time.Second, func() error {
@@ -320,6 +323,17 @@ func testRead(t *testing.T, e *env) {
 		}
 	}
 
+	// The wait of partition 5, and of no other.
+	for _, p := range snap.Partitions {
+		switch w := p.Waiting; {
+		case p.Partition == 5 && (w == nil || w.For != "publish" || w.Stream != "OUTGOING" || w.Server != "n2" || !w.Since.Equal(waitSince)):
+			t.Errorf("partition 5 waiting %+v, want for OUTGOING on n2 since %v", w, waitSince)
+		case p.Partition != 5 && w != nil:
+			t.Errorf("partition %d waiting %+v, want nothing", p.Partition, w)
+		}
+	}
+	want = append(want, "partition 5 has waited 12", "s for OUTGOING to store its publishes on server n2, since "+waitSince.UTC().Format("15:04:05.0"))
+
 	var buf bytes.Buffer
 	if err := snap.WriteText(&buf); err != nil {
 		t.Fatal(err)
@@ -328,6 +342,9 @@ func testRead(t *testing.T, e *env) {
 		if !strings.Contains(buf.String(), want) {
 			t.Errorf("WriteText output lacks %q:\n%s", want, buf.String())
 		}
+	}
+	if n := strings.Count(buf.String(), "has waited"); n != 1 {
+		t.Errorf("WriteText shows %d waits, want 1:\n%s", n, buf.String())
 	}
 }
 

@@ -85,6 +85,7 @@ func AtSeq(ctx context.Context, js jetstream.JetStream, stream string, seq uint6
 type msgGet struct {
 	Seq     uint64 `json:"seq,omitempty"`
 	LastFor string `json:"last_by_subj,omitempty"`
+	NextFor string `json:"next_by_subj,omitempty"`
 }
 
 // get asks stream's leader for the message req names, what the errors call it.
@@ -137,4 +138,11 @@ func Deleted(m *jetstream.RawStreamMsg) bool {
 		return true
 	}
 	return m.Header.Get("Nats-Marker-Reason") != ""
+}
+
+// NextOf returns the first message of stream at sequence seq or later whose subject matches
+// filter (wildcards allowed; ">" for any), read from the stream's leader as [LastOfSubject]
+// reads, or [ErrNotFound] when the leader holds none.
+func NextOf(ctx context.Context, js jetstream.JetStream, stream, filter string, seq uint64) (*jetstream.RawStreamMsg, error) {
+	return get(ctx, js, stream, filter+" from sequence "+strconv.FormatUint(seq, 10), msgGet{Seq: seq, NextFor: filter})
 }
