@@ -1,9 +1,11 @@
 package integration
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -38,6 +40,10 @@ type netCluster struct {
 	env     *clusterEnv // for read and count only
 	names   subjects.Names
 	lay     *subjects.Layout
+	// What a server's restart needs: the binary, each server's store, the route list.
+	srvBin string
+	dirs   []string
+	routes string
 }
 
 // netOptions say how newNetCluster sets the cluster up.
@@ -45,6 +51,9 @@ type netOptions struct {
 	// pinned starts replica r<i> with server s<i> alone in its --server list, so that a cut
 	// between servers decides what each replica can reach; otherwise each lists all three.
 	pinned bool
+	// layout is how INCOMING is stored; default subjects.SingleStream. With
+	// subjects.PartitionStreams each server's configuration file has the account mapping.
+	layout subjects.StreamLayout
 }
 
 func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netCluster {
@@ -64,7 +73,8 @@ func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netClust
 	// after the lab's has killed the servers (cleanups run last registered, first run).
 	dirs := []string{t.TempDir(), t.TempDir(), t.TempDir()}
 	lab := newNetLab(t)
-	nc := &netCluster{t: t, lab: lab, lay: layout(t), names: subjects.Names{StreamLayout: subjects.SingleStream}.WithDefaults()}
+	sl := cmp.Or(o.layout, subjects.SingleStream)
+	nc := &netCluster{t: t, lab: lab, lay: layout(t), names: subjects.Names{StreamLayout: sl}.WithDefaults(), srvBin: srvBin, dirs: dirs}
 	var routes []string
 	for i := range 3 {
 		h := lab.host("s" + strconv.Itoa(i))
@@ -72,8 +82,9 @@ func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netClust
 		nc.urls = append(nc.urls, "nats://"+h.ip+":4222")
 		routes = append(routes, "nats://"+h.ip+":6222")
 	}
-	for i, h := range nc.servers {
-		nc.srvProc = append(nc.srvProc, nc.startServer(srvBin, i, h, dirs[i], strings.Join(routes, ",")))
+	nc.routes = strings.Join(routes, ",")
+	for i := range nc.servers {
+		nc.srvProc = append(nc.srvProc, nc.startServer(i))
 	}
 	conn, err := nats.Connect(strings.Join(nc.urls, ","), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond),
 		nats.RetryOnFailedConnect(true))
@@ -124,15 +135,27 @@ func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netClust
 	return nc
 }
 
-func (nc *netCluster) startServer(srvBin string, i int, h *labHost, dir, routes string) *labProc {
-	return nc.lab.start(h, "s"+strconv.Itoa(i), srvBin, "-n", "s"+strconv.Itoa(i), "-a", h.ip, "-p", "4222",
+// startServer starts server s<i> on its host and store (again, after a kill: the same store).
+// In the partition-streams layout its configuration file holds the account mapping.
+func (nc *netCluster) startServer(i int) *labProc {
+	h, dir := nc.servers[i], nc.dirs[i]
+	args := []string{"-n", "s" + strconv.Itoa(i), "-a", h.ip, "-p", "4222",
 		"-js", "-sd", filepath.Join(dir, "store"), "--cluster_name", "kvmlab",
-		"--cluster", "nats://"+h.ip+":6222", "--routes", routes)
+		"--cluster", "nats://" + h.ip + ":6222", "--routes", nc.routes}
+	if nc.names.StreamLayout == subjects.PartitionStreams {
+		conf := filepath.Join(dir, "server.conf")
+		mapping := fmt.Sprintf("mappings = { %q: %q }\n", nc.lay.MappingSource(), nc.lay.MappingDest())
+		if err := os.WriteFile(conf, []byte(mapping), 0o644); err != nil {
+			nc.t.Fatal(err)
+		}
+		args = append([]string{"-c", conf}, args...)
+	}
+	return nc.lab.start(h, "s"+strconv.Itoa(i), nc.srvBin, args...)
 }
 
 // startReplica runs `kvmapper run` as r<i> in its host against servers (comma separated).
 func (nc *netCluster) startReplica(i int, servers string) *labProc {
-	return nc.lab.start(nc.reps[i], "r"+strconv.Itoa(i), bin, "run", "--server", servers,
+	return nc.lab.start(nc.reps[i], "r"+strconv.Itoa(i), bin, "run", "--server", servers, "--layout", string(nc.names.StreamLayout),
 		"--replica-id", "r"+strconv.Itoa(i), "--stream-replicas", "3", "--log-format", "json", "--log-level", "info")
 }
 
@@ -272,6 +295,12 @@ func (nc *netCluster) routesCarry() {
 // returns when the first of them was stored from from on.
 func (nc *netCluster) resumed(ps []int, from time.Time) (gap time.Duration, first time.Time) {
 	nc.t.Helper()
+	return nc.resumedUntil(ps, from, time.Time{})
+}
+
+// resumedUntil is resumed counting only the gaps that end by to (zero: any).
+func (nc *netCluster) resumedUntil(ps []int, from, to time.Time) (gap time.Duration, first time.Time) {
+	nc.t.Helper()
 	in := map[string]time.Time{} // payload → when INCOMING stored it
 	for _, s := range nc.names.IncomingStreams(nc.lay.Partitions) {
 		for _, m := range nc.env.read(s) {
@@ -304,7 +333,7 @@ func (nc *netCluster) resumed(ps []int, from time.Time) (gap time.Duration, firs
 		}
 	}
 	for i, at := range times {
-		if at.Before(from) {
+		if at.Before(from) || !to.IsZero() && at.After(to) {
 			continue
 		}
 		if first.IsZero() {
