@@ -49,6 +49,9 @@ var (
 			// on a cluster: a partition's fence records in the output streams, written by
 			// compare-and-set on the last one, read from each stream's leader
 			"kvmapper.fence.>", "$JS.API.STREAM.MSG.GET.OUTGOING", "$JS.API.STREAM.MSG.GET.UNMAPPED",
+			// a lane whose consumer has been quiet for 3 s asks INCOMING's leader
+			// whether it holds messages the consumer has not delivered (lanes/wait.go)
+			"$JS.API.STREAM.MSG.GET.INCOMING",
 		},
 		Subscribe: []string{
 			"_INBOX.>", // replies and consumer deliveries (--inbox-prefix names another)
