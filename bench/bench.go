@@ -50,6 +50,8 @@ type Names struct {
 	// NoProvenance runs the replica without the KVMapper-Partition, -Epoch and -Revision
 	// headers, to measure what they cost.
 	NoProvenance bool
+	// StreamReplicas is the replica count of the streams and buckets ([Config.StreamReplicas]).
+	StreamReplicas int
 }
 
 // ChildFunc returns the command that runs one kvmapper replica named id as a child process
@@ -61,9 +63,12 @@ type ChildFunc func(url, id string, n Names) *exec.Cmd
 type Config struct {
 	// URL of the NATS server. Required.
 	URL string
-	// ServerPID is the server's process id when it runs on this machine: the bench reads its CPU
-	// time from /proc to split the cost between server and client. 0: unknown.
-	ServerPID int
+	// ServerPIDs are the servers' process ids when they run on this machine: the bench reads
+	// their CPU time from /proc to split the cost between servers and client. None: unknown.
+	ServerPIDs []int
+	// StreamReplicas is the replica count of every stream and bucket the bench creates: 3 on
+	// the bench's own 3-node cluster (--cluster 3), the production default. Default 1.
+	StreamReplicas int
 	// Only lists the sub-benchmarks to run ([All] by default).
 	Only []Kind
 
@@ -145,6 +150,7 @@ func (c *Config) setDefaults() error {
 	def(&c.TableDevices, 1_000_000)
 	def(&c.FailoverRate, 2_000)
 	def(&c.FailoverReplicas, 3)
+	def(&c.StreamReplicas, 1)
 	if c.Duration == 0 {
 		c.Duration = 10 * time.Second
 	}
@@ -196,6 +202,8 @@ func (c *Config) setDefaults() error {
 		return bad("failover needs at least 2 replicas, not %d", c.FailoverReplicas)
 	case c.Child == nil && c.has(Failover):
 		return bad("Child is required for %s", Failover)
+	case c.StreamReplicas > 1 && (len(c.Only) != 1 || c.Only[0] != Throughput):
+		return bad("streams of %d replicas (a cluster) run the throughput bench only: give --only throughput", c.StreamReplicas)
 	}
 	if _, err := subjects.NewLayout(inTemplate, outTemplate, unmappedTemplate, c.Partitions); err != nil {
 		return bad("%v", err)
@@ -273,6 +281,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		"replicas": float64(cfg.Replicas), "rate": float64(cfg.Rate), "duration_s": cfg.Duration.Seconds(),
 		"changes": float64(cfg.Changes), "change_load": float64(cfg.ChangeLoad), "table_devices": float64(cfg.TableDevices),
 		"failover_rate": float64(cfg.FailoverRate), "failover_replicas": float64(cfg.FailoverReplicas),
+		"stream_replicas": float64(cfg.StreamReplicas), "servers": float64(max(len(cfg.ServerPIDs), 1)),
 	}}
 	e, err := newEnv(ctx, cfg)
 	if err != nil {
@@ -416,7 +425,8 @@ func (e *env) names(outgoing string) Names {
 			Control:      fmt.Sprintf("%scontrol-%d", bucketPrefix, e.runs),
 			StreamLayout: e.cfg.StreamLayout,
 		},
-		Partitions: e.cfg.Partitions,
+		Partitions:     e.cfg.Partitions,
+		StreamReplicas: e.cfg.StreamReplicas,
 	}
 }
 

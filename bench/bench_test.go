@@ -49,7 +49,7 @@ func TestRun(t *testing.T) {
 		t.Fatal("Run().Throughput = nil")
 	}
 	want := map[bench.ContenderName]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
-		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000, bench.Naive: 500}
+		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000, bench.RelayAtomic: 2000, bench.Naive: 500}
 	if len(tp.Contenders) != len(want) {
 		t.Errorf("%d contenders, want %d", len(tp.Contenders), len(want))
 	}
@@ -174,7 +174,7 @@ func TestRunPartitionStreams(t *testing.T) {
 	}
 	tp := rep.Throughput
 	want := map[bench.ContenderName]uint64{bench.Copy: 2000, bench.Transform: 2000, bench.KVMapper: 2000, bench.KVMapperBare: 2000,
-		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000}
+		bench.HandWritten: 2000, bench.RelayAsync: 2000, bench.RelayCeiling: 2000, bench.RelayAtomic: 2000}
 	if tp == nil || len(tp.Contenders) != len(want) || rep.StreamLayout != "streams" {
 		t.Fatalf("Run() = layout %q, throughput %+v; want the streams layout and %d contenders", rep.StreamLayout, tp, len(want))
 	}
@@ -214,12 +214,13 @@ func TestRunRefusesForeignStreams(t *testing.T) {
 
 func TestRunInvalidConfig(t *testing.T) {
 	for name, mod := range map[string]func(*bench.Config){
-		"no url":        func(c *bench.Config) { c.URL = "" },
-		"unknown only":  func(c *bench.Config) { c.Only = []bench.Kind{"speed"} },
-		"small payload": func(c *bench.Config) { c.Payload = 4 },
-		"stream layout": func(c *bench.Config) { c.StreamLayout = "sharded" },
-		"contender":     func(c *bench.Config) { c.Contenders = []bench.ContenderName{"kvmapper", "the fastest"} },
-		"profile":       func(c *bench.Config) { c.Profile = "nobody" },
+		"no url":          func(c *bench.Config) { c.URL = "" },
+		"unknown only":    func(c *bench.Config) { c.Only = []bench.Kind{"speed"} },
+		"small payload":   func(c *bench.Config) { c.Payload = 4 },
+		"stream layout":   func(c *bench.Config) { c.StreamLayout = "sharded" },
+		"contender":       func(c *bench.Config) { c.Contenders = []bench.ContenderName{"kvmapper", "the fastest"} },
+		"profile":         func(c *bench.Config) { c.Profile = "nobody" },
+		"cluster latency": func(c *bench.Config) { c.StreamReplicas = 3; c.Only = []bench.Kind{bench.Latency} },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := tiny("nats://127.0.0.1:1")

@@ -30,6 +30,12 @@ const (
 	// fast-ingest batch publisher (jetstreamext.FastPublisher) into an allow_batched OUTGOING,
 	// with a Nats-Msg-Id: the fastest durable write path nats-server 2.15 offers a client.
 	RelayCeiling ContenderName = "relay ceiling, fast batches"
+	// RelayAtomic is one unfiltered ordered consumer per INCOMING stream feeding
+	// relayAtomicInFlight writers, each committing up to relayAtomicBatch messages at a time as
+	// one atomic batch (jetstreamext.PublishMsgBatch, no flow-control ack) into an
+	// allow_atomic OUTGOING, with a Nats-Msg-Id: how a user writes a replicated stream in
+	// atomic batches, as kvmapper does on a cluster, without its order, fence or bookkeeping.
+	RelayAtomic ContenderName = "relay, atomic batches"
 )
 
 // Keys are the short names [Config.Contenders] and the bench's --contenders flag take, in the
@@ -45,6 +51,7 @@ var Keys = []struct {
 	{"hand-written", HandWritten},
 	{"relay-async", RelayAsync},
 	{"relay-ceiling", RelayCeiling},
+	{"relay-atomic", RelayAtomic},
 	{"naive", Naive},
 }
 
@@ -68,6 +75,9 @@ const (
 	// once. relayBatch messages make one batch.
 	relayFlow, relayAcks = 500, 8
 	relayBatch           = 100_000
+	// relayAtomicBatch and relayAtomicInFlight shape the atomic relay's batches: up to 256
+	// messages each, 8 committing at once.
+	relayAtomicBatch, relayAtomicInFlight = 256, 8
 )
 
 // mapOf returns device → group for the bench's devices.
@@ -115,6 +125,7 @@ func (e *env) rival(ctx context.Context, name ContenderName, target string, crea
 		return Contender{}, err
 	}
 	create.Name, create.Subjects, create.Storage, create.Duplicates = target, []string{e.lay.OutStreamSubject()}, jetstream.FileStorage, 2*time.Minute
+	create.Replicas = e.cfg.StreamReplicas
 	if _, err := js.CreateStream(ctx, create); err != nil {
 		return Contender{}, fmt.Errorf("creating %s: %w", target, err)
 	}
@@ -147,7 +158,10 @@ func (e *env) rival(ctx context.Context, name ContenderName, target string, crea
 	if err != nil {
 		return Contender{}, err
 	}
-	c := contender(name, w)
+	c, err := e.contender(ctx, name, target, w)
+	if err != nil {
+		return c, err
+	}
 	c.ServerCPU, c.ClientCPU = server, client
 	return c, e.deleteStream(ctx, target)
 }
@@ -419,6 +433,62 @@ func batchWriter(ctx context.Context, js jetstream.JetStream, msgs <-chan *nats.
 		}
 		if err != nil {
 			return fmt.Errorf("fast batch: %w", err)
+		}
+	}
+}
+
+// relayAtomic is [RelayAtomic]: the consumers hand their messages to relayAtomicInFlight
+// writers; each takes what is waiting, up to relayAtomicBatch messages, and commits it as one
+// atomic batch, waiting for its answer before it takes more.
+func (e *env) relayAtomic(ctx context.Context) (Contender, error) {
+	return e.rival(ctx, RelayAtomic, "BENCH_OUT_ATOMIC", jetstream.StreamConfig{AllowAtomicPublish: true}, func(ctx context.Context, nc *nats.Conn) error {
+		js, err := jetstream.New(nc)
+		if err != nil {
+			return err
+		}
+		msgs := make(chan *nats.Msg, relayWindow)
+		g, gctx := errgroup.WithContext(ctx)
+		g.Go(func() error {
+			return e.relay(gctx, js, func(m *nats.Msg) error {
+				select {
+				case msgs <- m:
+					return nil
+				case <-gctx.Done():
+					return gctx.Err()
+				}
+			})
+		})
+		for range relayAtomicInFlight {
+			g.Go(func() error { return atomicWriter(gctx, js, msgs) })
+		}
+		return g.Wait()
+	})
+}
+
+// atomicWriter commits what msgs holds in atomic batches of up to relayAtomicBatch messages,
+// one at a time, until ctx ends or a batch fails.
+func atomicWriter(ctx context.Context, js jetstream.JetStream, msgs <-chan *nats.Msg) error {
+	batch := make([]*nats.Msg, 0, relayAtomicBatch)
+	noAck := jetstreamext.BatchFlowControl{AckTimeout: 10 * time.Second}
+	for {
+		batch = batch[:0]
+		select {
+		case m := <-msgs:
+			batch = append(batch, m)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	fill:
+		for len(batch) < relayAtomicBatch {
+			select {
+			case m := <-msgs:
+				batch = append(batch, m)
+			default:
+				break fill
+			}
+		}
+		if _, err := jetstreamext.PublishMsgBatch(ctx, js, batch, noAck); err != nil {
+			return fmt.Errorf("atomic batch of %d: %w", len(batch), err)
 		}
 	}
 }

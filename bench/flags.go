@@ -85,6 +85,26 @@ func (w Sweep) Fit(cfg *Config, srv ServerConfig, profiling bool) error {
 	if cfg.URL != "" && srv.CPUProfile != "" {
 		return usage.Errorf(ErrInvalidConfig, "--server-cpuprofile needs the bench's own server: drop --server")
 	}
+	switch {
+	case srv.Nodes < 0 || srv.Nodes == 1:
+		return usage.Value(ErrInvalidConfig, "cluster", strconv.Itoa(srv.Nodes), "want 2 or more servers (3 for the production default)")
+	case srv.Nodes > 1 && cfg.URL != "":
+		return usage.Errorf(ErrInvalidConfig, "--cluster starts the bench's own servers: drop --server (or give --stream-replicas to measure a cluster of yours)")
+	case srv.Nodes > 1 && cfg.StreamReplicas > 0:
+		return usage.Errorf(ErrInvalidConfig, "--cluster sets the streams' replicas itself: drop --stream-replicas")
+	case cfg.StreamReplicas < 0:
+		return usage.Value(ErrInvalidConfig, "stream-replicas", strconv.Itoa(cfg.StreamReplicas), "want a positive count")
+	case cfg.StreamReplicas > 1 && cfg.URL == "":
+		return usage.Errorf(ErrInvalidConfig, "--stream-replicas needs a cluster: give --server of yours, or --cluster 3 for the bench's own")
+	}
+	if srv.Nodes > 1 || cfg.StreamReplicas > 1 {
+		switch {
+		case len(cfg.Only) == 0:
+			cfg.Only = []Kind{Throughput}
+		case len(cfg.Only) > 1 || cfg.Only[0] != Throughput:
+			return usage.Errorf(ErrInvalidConfig, "a cluster runs the throughput bench only: drop --only or give --only throughput")
+		}
+	}
 	return nil
 }
 

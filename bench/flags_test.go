@@ -38,7 +38,7 @@ func TestParseSweep(t *testing.T) {
 		}
 	}
 	if _, err := bench.ParseContender("contenders", "fastest"); err == nil || !errors.Is(err, bench.ErrInvalidConfig) ||
-		err.Error() != `invalid value "fastest" for flag --contenders: choose among copy, transform, kvmapper, no-provenance, hand-written, relay-async, relay-ceiling, naive` {
+		err.Error() != `invalid value "fastest" for flag --contenders: choose among copy, transform, kvmapper, no-provenance, hand-written, relay-async, relay-ceiling, relay-atomic, naive` {
 		t.Errorf("ParseContender(fastest) = %v, want an ErrInvalidConfig naming the flag and the contenders", err)
 	}
 	if name, err := bench.ParseContender("profile-contender", "relay-ceiling"); name != bench.RelayCeiling || err != nil {
@@ -64,6 +64,11 @@ func TestSweepFit(t *testing.T) {
 		{"profile", many, bench.Config{}, bench.ServerConfig{}, true, "profiles cover one run"},
 		{"own server", many, bench.Config{URL: "nats://127.0.0.1:1"}, bench.ServerConfig{}, false, "need the bench's own server"},
 		{"server profile", one, bench.Config{URL: "nats://127.0.0.1:1"}, bench.ServerConfig{CPUProfile: "x"}, false, "--server-cpuprofile needs the bench's own server: drop --server"},
+		{"cluster of one", one, bench.Config{}, bench.ServerConfig{Nodes: 1}, false, `invalid value "1" for flag --cluster`},
+		{"cluster and server", one, bench.Config{URL: "nats://127.0.0.1:1"}, bench.ServerConfig{Nodes: 3}, false, "--cluster starts the bench's own servers"},
+		{"cluster and replicas", one, bench.Config{StreamReplicas: 3}, bench.ServerConfig{Nodes: 3}, false, "drop --stream-replicas"},
+		{"replicas without a cluster", one, bench.Config{StreamReplicas: 3}, bench.ServerConfig{}, false, "--stream-replicas needs a cluster"},
+		{"cluster and latency", one, bench.Config{Only: []bench.Kind{bench.Latency}}, bench.ServerConfig{Nodes: 3}, false, "a cluster runs the throughput bench only"},
 	} {
 		err := tc.w.Fit(&tc.cfg, tc.srv, tc.profiling)
 		if err == nil || !errors.Is(err, bench.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {
@@ -73,6 +78,10 @@ func TestSweepFit(t *testing.T) {
 	cfg := bench.Config{}
 	if err := many.Fit(&cfg, bench.ServerConfig{}, false); err != nil || !slices.Equal(cfg.Only, []bench.Kind{bench.Throughput}) {
 		t.Errorf("Fit() of %d runs = %v with Only %v, want nil with [throughput]", many.Runs(), err, cfg.Only)
+	}
+	cfg = bench.Config{}
+	if err := one.Fit(&cfg, bench.ServerConfig{Nodes: 3}, true); err != nil || !slices.Equal(cfg.Only, []bench.Kind{bench.Throughput}) {
+		t.Errorf("Fit() on a cluster = %v with Only %v, want nil with [throughput]", err, cfg.Only)
 	}
 	cfg = bench.Config{Only: []bench.Kind{bench.Latency}, URL: "nats://127.0.0.1:1"}
 	if err := one.Fit(&cfg, bench.ServerConfig{}, true); err != nil || !slices.Equal(cfg.Only, []bench.Kind{bench.Latency}) {

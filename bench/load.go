@@ -59,6 +59,7 @@ func (e *env) createIncoming(ctx context.Context) error {
 			},
 			Storage:   jetstream.FileStorage,
 			Retention: jetstream.LimitsPolicy,
+			Replicas:  e.cfg.StreamReplicas,
 		}
 		if names.StreamLayout == subjects.PartitionStreams {
 			cfg.Subjects, cfg.SubjectTransform = []string{e.lay.Filter(p)}, nil
@@ -79,7 +80,7 @@ func (e *env) createIncoming(ctx context.Context) error {
 			return nil
 		}
 	}
-	if _, err := e.js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: groupsBucket, History: 5, Storage: jetstream.FileStorage}); err != nil {
+	if _, err := e.js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: groupsBucket, History: 5, Storage: jetstream.FileStorage, Replicas: e.cfg.StreamReplicas}); err != nil {
 		return fmt.Errorf("creating bucket %s: %w", groupsBucket, err)
 	}
 	return e.putKeys(ctx, groupsBucket, len(e.devices), func(i int) (string, string) { return e.devices[i], e.groupOf[i] })
@@ -319,7 +320,7 @@ func (e *env) waitOwned(ctx context.Context, names Names) error {
 
 // ensure creates the streams and buckets of names as kvmapper's setup does.
 func (e *env) ensure(ctx context.Context, names Names) error {
-	_, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: names.Names})
+	_, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: names.Names, Replicas: names.StreamReplicas})
 	return err
 }
 
@@ -373,24 +374,30 @@ func cpuTime(pid int) time.Duration {
 	return time.Duration(ut+st) * time.Second / ticks
 }
 
-// cpuMeter measures the CPU time the server and this process spend over a span.
+// cpuMeter measures the CPU time the servers and this process spend over a span.
 type cpuMeter struct {
-	pid            int
+	pids           []int
 	server, client time.Duration
 }
 
 func (e *env) cpuStart() cpuMeter {
-	m := cpuMeter{pid: e.cfg.ServerPID, client: cpuTime(0)}
-	if m.pid != 0 {
-		m.server = cpuTime(m.pid)
-	}
-	return m
+	return cpuMeter{pids: e.cfg.ServerPIDs, server: serversCPU(e.cfg.ServerPIDs), client: cpuTime(0)}
 }
 
-// stop returns the CPU seconds spent since start: server (0 when unknown) and this process.
+// serversCPU is the CPU time of the processes pids together.
+func serversCPU(pids []int) time.Duration {
+	var d time.Duration
+	for _, pid := range pids {
+		d += cpuTime(pid)
+	}
+	return d
+}
+
+// stop returns the CPU seconds spent since start: the servers together (0 when unknown) and
+// this process.
 func (m cpuMeter) stop() (server, client Seconds) {
-	if m.pid != 0 {
-		server = secs(cpuTime(m.pid) - m.server)
+	if len(m.pids) > 0 {
+		server = secs(serversCPU(m.pids) - m.server)
 	}
 	return server, secs(cpuTime(0) - m.client)
 }

@@ -47,7 +47,7 @@ func RunReplica(ctx context.Context, log zerolog.Logger, url, id string, n Names
 	if err != nil {
 		return err
 	}
-	scfg := setup.Config{Layout: lay, Names: n.Names}
+	scfg := setup.Config{Layout: lay, Names: n.Names, Replicas: n.StreamReplicas}
 	scfg.Defaults()
 	r, err := mapper.New(ctx, js, mapper.Config{
 		ID:      id,

@@ -18,6 +18,38 @@ var Targets = struct {
 // Issue10 are the throughput targets of issue 10, against the contenders a user would write.
 var Issue10 = struct{ RatioCeiling, RatioHandWritten float64 }{0.9, 1.3}
 
+// Issue33 are the targets of issue 33 on a replicated stream: kvmapper's rate against the
+// atomic-batch relay's, its servers' CPU per message against the same relay's, and the bytes
+// OUTGOING stores per message against the plain (async) relay's.
+var Issue33 = struct{ RatioAtomic, ServerCPU, Stored float64 }{0.9, 1.2, 1.15}
+
+// issue33 is the line of issue 33's targets, for the contenders that ran.
+func (t *ThroughputResult) issue33() string {
+	k, atomic, async := t.Get(KVMapper), t.Get(RelayAtomic), t.Get(RelayAsync)
+	var out []string
+	if x, ok := t.Ratio[RelayAtomic]; ok {
+		out = append(out, fmt.Sprintf("≥ %g× atomic relay: %s (%.2f)", Issue33.RatioAtomic, mark(x >= Issue33.RatioAtomic), x))
+		if a := atomic.ServerCPUPerMsg(); a > 0 && k.ServerCPU > 0 {
+			x := k.ServerCPUPerMsg() / a
+			out = append(out, fmt.Sprintf("server CPU/msg ≤ %g× atomic relay's: %s (%.2f)", Issue33.ServerCPU, mark(x <= Issue33.ServerCPU), x))
+		}
+	}
+	if a := async.StoredPerMsg(); a > 0 && k.Messages > 0 {
+		x := k.StoredPerMsg() / a
+		out = append(out, fmt.Sprintf("stored B/msg ≤ %g× async relay's: %s (%.2f)", Issue33.Stored, mark(x <= Issue33.Stored), x))
+	}
+	return strings.Join(out, "; ")
+}
+
+// servers says what the run ran against: one server, or a cluster and its streams' replicas.
+func (r *Report) servers() string {
+	n, repl := r.Config["servers"], r.Config["stream_replicas"]
+	if n <= 1 && repl <= 1 {
+		return "1 server"
+	}
+	return fmt.Sprintf("%.0f servers, streams R%.0f", n, repl)
+}
+
 func mark(ok bool) string {
 	if ok {
 		return "met"
@@ -33,16 +65,16 @@ func (r *Report) WriteText(w io.Writer) error {
 	p("machine: %d CPUs, %s, %s, %s; elapsed %.1fs", m.CPUs, m.CPUModel, m.GoVersion, m.OS, float64(r.Elapsed))
 	if t := r.Throughput; t != nil {
 		p("")
-		p("THROUGHPUT: %d messages of %d B, %d devices, %d partitions (%s layout), %d kvmapper replica(s); INCOMING filled at %.0f msgs/s",
-			t.Messages, t.Payload, t.Devices, t.Partitions, r.StreamLayout, t.Replicas, t.FillMsgsPerSec)
-		p("contender\tmessages\tmsgs/s\tseconds\tstartup s\tserver CPU s\tclient CPU s\tCPU µs/msg\tkvmapper ×")
+		p("THROUGHPUT: %d messages of %d B, %d devices, %d partitions (%s layout), %d kvmapper replica(s), %s; INCOMING filled at %.0f msgs/s",
+			t.Messages, t.Payload, t.Devices, t.Partitions, r.StreamLayout, t.Replicas, r.servers(), t.FillMsgsPerSec)
+		p("contender\tmessages\tmsgs/s\tseconds\tstartup s\tserver CPU s\tclient CPU s\tCPU µs/msg\tserver µs/msg\tstored B/msg\tkvmapper ×")
 		for _, c := range t.Contenders {
 			ratio := "-"
 			if x, ok := t.Ratio[c.Name]; ok {
 				ratio = fmt.Sprintf("%.2f", x)
 			}
-			p("%s\t%d\t%.0f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%s", c.Name, c.Messages, c.MsgsPerSec, float64(c.Seconds), float64(c.Startup),
-				float64(c.ServerCPU), float64(c.ClientCPU), c.CPUPerMsg(), ratio)
+			p("%s\t%d\t%.0f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%s", c.Name, c.Messages, c.MsgsPerSec, float64(c.Seconds), float64(c.Startup),
+				float64(c.ServerCPU), float64(c.ClientCPU), c.CPUPerMsg(), c.ServerCPUPerMsg(), c.StoredPerMsg(), ratio)
 		}
 		// Without kvmapper in the run there are no allocations, ratios or targets to show.
 		if t.Get(KVMapper).Messages > 0 {
@@ -68,6 +100,9 @@ func (r *Report) WriteText(w io.Writer) error {
 			}
 			if len(more) > 0 {
 				p("targets (issue 10): %s", strings.Join(more, "; "))
+			}
+			if line := t.issue33(); line != "" {
+				p("targets (issue 33): %s", line)
 			}
 		}
 	}

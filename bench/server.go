@@ -6,14 +6,19 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/internal/embedded"
 	"github.com/kvmapper/kvmapper/setup"
@@ -41,6 +46,14 @@ type ServerConfig struct {
 	// DirectIn, if set, is a subject template the server also maps into partitions, as direct
 	// mode's mapping receive kind needs (the bench's direct run: [DirectMappedIn]).
 	DirectIn string
+	// Nodes, when more than one, makes [StartCluster] start that many servers in one cluster
+	// (three is nats-server's smallest that survives losing one), every stream at
+	// min(Nodes, 3) replicas: the production default. [StartServer] ignores it.
+	Nodes int
+	// Name, ClusterName, ClusterListen and Routes place one server in a cluster ([Serve]);
+	// [StartCluster] sets them for each node.
+	Name, ClusterName, ClusterListen string
+	Routes                           []string
 }
 
 func (c *ServerConfig) setDefaults() {
@@ -83,7 +96,11 @@ func Serve(ctx context.Context, cfg ServerConfig, w io.Writer) error {
 		signal.Notify(prof, syscall.SIGUSR1, syscall.SIGUSR2)
 		defer signal.Stop(prof)
 	}
-	srv, err := embedded.Start(embedded.Config{Listen: cfg.Listen, Dir: cfg.Dir, Mappings: maps})
+	ec := embedded.Config{Listen: cfg.Listen, Dir: cfg.Dir, Mappings: maps, Name: cfg.Name}
+	if cfg.ClusterListen != "" {
+		ec.Cluster = &embedded.Cluster{Name: cfg.ClusterName, Listen: cfg.ClusterListen, Routes: cfg.Routes}
+	}
+	srv, err := embedded.Start(ec)
 	if errors.Is(err, embedded.ErrInvalidListen) {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
@@ -153,6 +170,10 @@ func StartServer(ctx context.Context, exe string, cfg ServerConfig) (*ChildServe
 	if cfg.CPUProfile != "" {
 		args = append(args, "--cpuprofile", cfg.CPUProfile)
 	}
+	if cfg.ClusterListen != "" {
+		args = append(args, "--name", cfg.Name, "--cluster-name", cfg.ClusterName, "--cluster-listen", cfg.ClusterListen,
+			"--routes", strings.Join(cfg.Routes, ","))
+	}
 	s.cmd = exec.Command(exe, args...)
 	s.cmd.Stderr = os.Stderr
 	out, err := s.cmd.StdoutPipe()
@@ -192,8 +213,8 @@ func StartServer(ctx context.Context, exe string, cfg ServerConfig) (*ChildServe
 // URL is the address the server accepts clients on.
 func (s *ChildServer) URL() string { return s.url }
 
-// PID is the server's process id ([Config.ServerPID]).
-func (s *ChildServer) PID() int { return s.cmd.Process.Pid }
+// PIDs is the server's process id, alone ([Config.ServerPIDs]).
+func (s *ChildServer) PIDs() []int { return []int{s.cmd.Process.Pid} }
 
 // Profile starts (true) or ends (false) the server's CPU profile ([Config.ServerProfile]); the
 // server was started with [ServerConfig.CPUProfile].
@@ -231,5 +252,151 @@ func ReplicaCommand(exe string) ChildFunc {
 			"--incoming-stream", n.Incoming, "--outgoing-stream", n.Outgoing, "--unmapped-stream", n.Unmapped,
 			"--groups-bucket", n.Groups, "--control-bucket", n.Control, "--layout", string(n.StreamLayout),
 			"--log-level", "warn", "--log-format", "json")
+	}
+}
+
+// Servers are the bench's own servers: one ([ChildServer]) or a cluster ([ChildCluster]).
+type Servers interface {
+	// URL is what a client connects to: every server's address, comma-separated.
+	URL() string
+	// PIDs are the servers' process ids ([Config.ServerPIDs]).
+	PIDs() []int
+	// Profile starts or ends every server's CPU profile ([Config.ServerProfile]).
+	Profile(start bool)
+	// Stop stops every server and removes the data the bench made.
+	Stop()
+}
+
+// ChildCluster is the bench's cluster of child servers ([StartCluster]).
+type ChildCluster struct {
+	nodes []*ChildServer
+}
+
+// StartCluster starts cfg.Nodes child servers ([StartServer]) as one JetStream cluster on
+// loopback, named n1…, each with a data directory of its own (under cfg.Dir when given) and, with
+// cfg.CPUProfile, a profile of its own (FILE.n1…). It returns once the cluster has a JetStream
+// meta leader (at most 60s).
+func StartCluster(ctx context.Context, exe string, cfg ServerConfig) (*ChildCluster, error) {
+	if cfg.Nodes < 2 {
+		return nil, fmt.Errorf("%w: a cluster needs at least 2 nodes, not %d", ErrInvalidConfig, cfg.Nodes)
+	}
+	ports, err := freePorts(cfg.Nodes)
+	if err != nil {
+		return nil, err
+	}
+	var routes []string
+	for _, p := range ports {
+		routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", p))
+	}
+	c := &ChildCluster{}
+	for i, p := range ports {
+		n := cfg
+		n.Name, n.ClusterName, n.Routes = fmt.Sprintf("n%d", i+1), "kvmapper-bench", routes
+		n.ClusterListen = fmt.Sprintf("127.0.0.1:%d", p)
+		if cfg.Dir != "" {
+			n.Dir = filepath.Join(cfg.Dir, n.Name)
+		}
+		if cfg.CPUProfile != "" {
+			n.CPUProfile = cfg.CPUProfile + "." + n.Name
+		}
+		s, err := StartServer(ctx, exe, n)
+		if err != nil {
+			c.Stop()
+			return nil, fmt.Errorf("starting cluster node %s: %w", n.Name, err)
+		}
+		c.nodes = append(c.nodes, s)
+	}
+	if err := c.waitMeta(ctx, 60*time.Second); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+// freePorts finds n ports free on 127.0.0.1 for the cluster's routes, which every node must
+// know before any starts.
+func freePorts(n int) ([]int, error) {
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("finding a free port for a cluster route: %w", err)
+		}
+		ls = append(ls, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// waitMeta waits until JetStream answers an account info request: the meta group has a leader.
+func (c *ChildCluster) waitMeta(ctx context.Context, limit time.Duration) error {
+	nc, err := nats.Connect(c.URL(), nats.Name("kvmapper bench cluster check"))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(limit)
+	for {
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		_, err := js.AccountInfo(actx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the cluster's JetStream did not answer within %v: %w", limit, err)
+		}
+		t := time.NewTimer(100 * time.Millisecond)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
+	}
+}
+
+// URL is every node's client address, comma-separated, as nats.Connect takes them.
+func (c *ChildCluster) URL() string {
+	var urls []string
+	for _, n := range c.nodes {
+		urls = append(urls, n.URL())
+	}
+	return strings.Join(urls, ",")
+}
+
+// PIDs are the nodes' process ids.
+func (c *ChildCluster) PIDs() []int {
+	var pids []int
+	for _, n := range c.nodes {
+		pids = append(pids, n.PIDs()...)
+	}
+	return pids
+}
+
+// Profile starts or ends every node's CPU profile.
+func (c *ChildCluster) Profile(start bool) {
+	for _, n := range c.nodes {
+		n.Profile(start)
+	}
+}
+
+// Stop stops every node.
+func (c *ChildCluster) Stop() {
+	for _, n := range c.nodes {
+		n.Stop()
 	}
 }

@@ -141,12 +141,19 @@ func sweepServer(ctx context.Context, cfg Config, w Sweep, exe string, srv Serve
 	cfg.StreamLayout, cfg.Partitions = sl, parts
 	if cfg.URL == "" {
 		srv.StreamLayout, srv.Partitions, srv.DirectIn = sl, parts, DirectMappedIn
-		s, err := StartServer(ctx, exe, srv)
+		var s Servers
+		var err error
+		if srv.Nodes > 1 {
+			s, err = StartCluster(ctx, exe, srv)
+			cfg.StreamReplicas = min(srv.Nodes, 3)
+		} else {
+			s, err = StartServer(ctx, exe, srv)
+		}
 		if err != nil {
 			return err
 		}
 		defer s.Stop()
-		cfg.URL, cfg.ServerPID = s.URL(), s.PID()
+		cfg.URL, cfg.ServerPIDs = s.URL(), s.PIDs()
 		if srv.CPUProfile != "" {
 			cfg.ServerProfile = s.Profile
 		}

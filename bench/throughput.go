@@ -47,6 +47,26 @@ type Contender struct {
 	// the run. ServerCPU is 0 when the server's process is unknown.
 	ServerCPU Seconds `json:"server_cpu_s"`
 	ClientCPU Seconds `json:"client_cpu_s"`
+	// StoredBytes is what the target stream stored (its state's bytes: subjects, headers and
+	// payloads, as nats stream info shows them), on each server that holds a replica of it; for
+	// kvmapper on a cluster, its fence records too (one per partition).
+	StoredBytes uint64 `json:"stored_bytes"`
+}
+
+// ServerCPUPerMsg is the servers' CPU time per message in microseconds.
+func (c Contender) ServerCPUPerMsg() float64 {
+	if c.Messages == 0 {
+		return 0
+	}
+	return float64(c.ServerCPU) * 1e6 / float64(c.Messages)
+}
+
+// StoredPerMsg is the bytes the target stream stores per message.
+func (c Contender) StoredPerMsg() float64 {
+	if c.Messages == 0 {
+		return 0
+	}
+	return float64(c.StoredBytes) / float64(c.Messages)
 }
 
 // CPUPerMsg is the CPU time, server and client together, per message in microseconds.
@@ -115,6 +135,7 @@ func (e *env) throughput(ctx context.Context) (*ThroughputResult, error) {
 		{HandWritten, e.handWritten},
 		{RelayAsync, e.relayAsync},
 		{RelayCeiling, e.relayCeiling},
+		{RelayAtomic, e.relayAtomic},
 		{Naive, e.naive},
 	}
 	for _, r := range runs {
@@ -151,9 +172,10 @@ func (e *env) source(ctx context.Context, name ContenderName, stream string, tra
 	cpu := e.cpuStart()
 	start := time.Now()
 	_, err = e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:    stream,
-		Storage: jetstream.FileStorage,
-		Sources: sources,
+		Name:     stream,
+		Storage:  jetstream.FileStorage,
+		Sources:  sources,
+		Replicas: e.cfg.StreamReplicas,
 	})
 	if err != nil {
 		return Contender{}, fmt.Errorf("creating %s: %w", stream, err)
@@ -162,13 +184,24 @@ func (e *env) source(ctx context.Context, name ContenderName, stream string, tra
 	if err != nil {
 		return Contender{}, err
 	}
-	c := contender(name, w)
-	c.ServerCPU, c.ClientCPU = cpu.stop()
+	server, client := cpu.stop()
+	c, err := e.contender(ctx, name, stream, w)
+	if err != nil {
+		return c, err
+	}
+	c.ServerCPU, c.ClientCPU = server, client
 	return c, e.deleteStream(ctx, stream)
 }
 
-func contender(name ContenderName, w waited) Contender {
-	return Contender{Name: name, Messages: w.messages, MsgsPerSec: w.rate, Seconds: secs(w.done.Sub(w.first)), Startup: Seconds(w.startup.Seconds())}
+// contender is what the run of name measured, with the bytes its target stream stores.
+func (e *env) contender(ctx context.Context, name ContenderName, stream string, w waited) (Contender, error) {
+	c := Contender{Name: name, Messages: w.messages, MsgsPerSec: w.rate, Seconds: secs(w.done.Sub(w.first)), Startup: Seconds(w.startup.Seconds())}
+	info, err := e.streamInfo(ctx, stream)
+	if err != nil {
+		return c, fmt.Errorf("reading what %s stores: %w", stream, err)
+	}
+	c.StoredBytes = info.State.Bytes
+	return c, nil
 }
 
 func (e *env) streamInfo(ctx context.Context, name string) (*jetstream.StreamInfo, error) {
@@ -209,9 +242,15 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name Contende
 			return Contender{}, err
 		}
 	}
+	// On a cluster setup fences OUTGOING: it also holds one fence record per partition, which
+	// the replicas write as they claim, before their first message.
+	want := msgs
+	if e.cfg.StreamReplicas > 1 {
+		want += uint64(e.cfg.Partitions)
+	}
 	cpu := e.cpuStart()
 	start := time.Now()
-	w, werr := e.waitCount(ctx, names.Outgoing, msgs, start, string(name))
+	w, werr := e.waitCount(ctx, names.Outgoing, want, start, string(name))
 	server, client := cpu.stop()
 	runtime.ReadMemStats(&ms1)
 	if prof {
@@ -222,7 +261,11 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name Contende
 	if werr != nil {
 		return Contender{}, werr
 	}
-	c := contender(name, w)
+	c, err := e.contender(ctx, name, names.Outgoing, w)
+	if err != nil {
+		return c, err
+	}
+	c.Messages -= want - msgs // the fence records are no messages of the devices'
 	c.ServerCPU, c.ClientCPU = server, client
 	if main {
 		res.AllocsPerMsg = float64(ms1.Mallocs-ms0.Mallocs) / float64(w.messages)
@@ -233,12 +276,25 @@ func (e *env) kvmapper(ctx context.Context, res *ThroughputResult, name Contende
 	if err != nil {
 		return c, err
 	}
+	// On a cluster UNMAPPED also holds a fence record per partition: count what is not one.
 	un, err := e.streamInfo(ctx, names.Unmapped)
 	if err != nil {
 		return c, err
 	}
-	if un.State.Msgs != 0 {
-		return c, fmt.Errorf("%d messages went to %s; every device is mapped", un.State.Msgs, names.Unmapped)
+	fences, err := e.js.Stream(ctx, names.Unmapped)
+	if err != nil {
+		return c, err
+	}
+	fi, err := fences.Info(ctx, jetstream.WithSubjectFilter(subjects.FenceFilter(names.Unmapped)))
+	if err != nil {
+		return c, err
+	}
+	var nfences uint64
+	for _, n := range fi.State.Subjects {
+		nfences += n
+	}
+	if n := un.State.Msgs - nfences; n != 0 {
+		return c, fmt.Errorf("%d messages went to %s; every device is mapped", n, names.Unmapped)
 	}
 	return c, e.dropRun(ctx, names)
 }
@@ -300,6 +356,7 @@ func (e *env) naive(ctx context.Context) (Contender, error) {
 	}
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{
 		Name: stream, Subjects: []string{e.lay.OutStreamSubject()}, Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute,
+		Replicas: e.cfg.StreamReplicas,
 	}); err != nil {
 		return Contender{}, fmt.Errorf("creating %s: %w", stream, err)
 	}
@@ -326,8 +383,12 @@ func (e *env) naive(ctx context.Context) (Contender, error) {
 	if err != nil {
 		return Contender{}, err
 	}
-	c := contender(Naive, w)
-	c.ServerCPU, c.ClientCPU = cpu.stop()
+	server, client := cpu.stop()
+	c, err := e.contender(ctx, Naive, stream, w)
+	if err != nil {
+		return c, err
+	}
+	c.ServerCPU, c.ClientCPU = server, client
 	if err := js.DeleteConsumer(ctx, incomingStream, "bench-naive"); err != nil {
 		return c, err
 	}

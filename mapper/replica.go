@@ -1,6 +1,7 @@
 package mapper
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -50,7 +51,7 @@ type Config struct {
 	Lanes lanes.Config
 	// Election tunes the elector; ReplicaID, Partitions and Logger are set from the rest, and
 	// OnChange is chained. A zero LeaseTTL is chosen from the control bucket's replica count
-	// (election.LeaseTTLFor) and logged.
+	// (election.LeaseTTLFor) and logged; a zero RenewInterval is [DefaultRenewInterval].
 	Election election.Config
 	Logger   zerolog.Logger
 	// Version is reported by the status service and in metrics.
@@ -138,6 +139,13 @@ const DirectReleaseTimeout = 30 * time.Second
 // leases, that they write every output stream fence-checked (election.Config.JudgedExpiry,
 // lanes.Pool.Checked).
 const DefaultJudgedExpiry = 2 * time.Second
+
+// DefaultRenewInterval is how often leases are renewed unless configured otherwise (kvmapper
+// run's --renew-interval). It is the mapper's, not the elector's LeaseTTL/4: on a replicated
+// control bucket (15 s TTL) that would be 3.75 s, too slow for [DefaultJudgedExpiry], which must
+// be at least two renewals, and a replica built on this package with a zero Election would fail
+// to start on a cluster.
+const DefaultRenewInterval = 500 * time.Millisecond
 
 // judgedExpiry returns the judged expiry to run with: the configured one, or
 // [DefaultJudgedExpiry] where it is worth it — a replicated control bucket, whose 15 s lease TTL
@@ -285,6 +293,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Replica, err
 		}
 	}
 	ecfg := cfg.Election
+	ecfg.RenewInterval = cmp.Or(ecfg.RenewInterval, DefaultRenewInterval)
 	var controlReplicas int
 	if ecfg.LeaseTTL, controlReplicas, err = leaseTTL(ctx, control, ecfg.LeaseTTL, log); err != nil {
 		return nil, err

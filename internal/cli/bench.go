@@ -25,12 +25,14 @@ func benchCommand() *cli.Command {
 		Flags: slices.Concat(in(catConnection,
 			&cli.StringFlag{Name: "server", Aliases: []string{"s"}, Usage: "NATS server URL to measure against (default: start one as a child process)"},
 			&cli.StringFlag{Name: "data-dir", Usage: "JetStream data of the child server (default: a temporary directory, removed after)"},
+			&cli.IntFlag{Name: "cluster", Usage: "run throughput on this many child servers in one cluster, streams at R3 (3: the production default)"},
+			&cli.IntFlag{Name: "stream-replicas", Usage: "with --server: the replicas of the streams and buckets the bench creates (its own --cluster sets them)", DefaultText: "1"},
 		), in(catNames,
 			&cli.StringFlag{Name: "only", Usage: "sub-benchmarks, comma-separated: " + strings.ReplaceAll(strings.Trim(fmt.Sprint(bench.All), "[]"), " ", ","), DefaultText: "all"},
 			&cli.StringFlag{Name: "partitions", Value: "16", Usage: "partitions of INCOMING (a list: once each, on a server of its own)"},
 			&cli.StringFlag{Name: "replicas", Value: "1", Usage: "in-process kvmapper replicas for throughput, latency and mapping (a list: once each)"},
 			&cli.StringFlag{Name: "layout", Value: string(subjects.SingleStream), Usage: "how INCOMING is stored: single or streams (a list: once each)"},
-			&cli.StringFlag{Name: "contenders", Usage: "contenders, comma-separated: " + strings.Join(bench.ContenderKeys(), ","), DefaultText: "all"},
+			&cli.StringFlag{Name: "contenders", Usage: "comma-separated: " + strings.Join(bench.ContenderKeys(), ","), DefaultText: "all"},
 			&cli.StringFlag{Name: "profile-contender", Value: "kvmapper", Usage: "the throughput contender --cpuprofile, --memprofile and --server-cpuprofile cover"},
 		), in(catLimits,
 			&cli.StringFlag{Name: "messages", Value: "1000000", Usage: "throughput: messages to map (a comma-separated list runs the throughput bench once for each)"},
@@ -77,8 +79,9 @@ func benchAction(c *cli.Context) error {
 		FailoverReplicas: c.Int("failover-replicas"),
 		Child:            bench.ReplicaCommand(exe),
 		Logger:           log,
+		StreamReplicas:   c.Int("stream-replicas"),
 	}
-	srv := bench.ServerConfig{Dir: c.String("data-dir"), CPUProfile: c.String("server-cpuprofile")}
+	srv := bench.ServerConfig{Dir: c.String("data-dir"), CPUProfile: c.String("server-cpuprofile"), Nodes: c.Int("cluster")}
 	w, err := benchConfig(c, &cfg, srv)
 	if err != nil {
 		return usageError{err}

@@ -40,7 +40,7 @@ func runCommand(version string) *cli.Command {
 			groupsHistoryFlag(),
 		), parkFlags(), in(catBehaviour,
 			&cli.DurationFlag{Name: "lease-ttl", Usage: "partition lease TTL, whole seconds", DefaultText: "2s, 15s on a replicated control bucket"},
-			&cli.DurationFlag{Name: "renew-interval", Value: 500 * time.Millisecond, Usage: "how often leases are renewed (below lease-ttl)"},
+			&cli.DurationFlag{Name: "renew-interval", Value: mapper.DefaultRenewInterval, Usage: "how often leases are renewed (below lease-ttl)"},
 			&cli.DurationFlag{Name: "grace", Value: 2 * time.Second, Usage: "any replica claims a partition unowned this long"},
 			&cli.DurationFlag{Name: "checkpoint-interval", Value: 100 * time.Millisecond, Usage: "how often each partition's progress is written"},
 			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent"},

@@ -28,6 +28,10 @@ func serverCommand() *cli.Command {
 			&cli.IntFlag{Name: "partitions", Value: 16, Usage: "partitions of that mapping"},
 			&cli.StringFlag{Name: "in", Value: "incoming.{device}.{event}", Usage: "subject template of that mapping"},
 			&cli.StringFlag{Name: "direct-in", Usage: "also map this subject template into partitions, as direct mode's mapping receive mode needs (the bench's direct run)"},
+			&cli.StringFlag{Name: "name", Usage: "the server's name (each node of a cluster needs its own)"},
+			&cli.StringFlag{Name: "cluster-name", Value: "kvmapper-bench", Usage: "with --cluster-listen: the cluster's name"},
+			&cli.StringFlag{Name: "cluster-listen", Usage: "host:port to accept cluster routes on (the bench's --cluster runs)"},
+			&cli.StringFlag{Name: "routes", Usage: "with --cluster-listen: every node's nats-route://host:port, comma-separated"},
 		},
 		Action: func(c *cli.Context) error {
 			sl, err := subjects.ParseStreamLayout(c.String("layout"))
@@ -37,7 +41,9 @@ func serverCommand() *cli.Command {
 			ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			err = bench.Serve(ctx, bench.ServerConfig{Listen: c.String("listen"), Dir: c.String("data-dir"), CPUProfile: c.String("cpuprofile"),
-				StreamLayout: sl, Partitions: c.Int("partitions"), In: c.String("in"), DirectIn: c.String("direct-in")}, c.App.Writer)
+				StreamLayout: sl, Partitions: c.Int("partitions"), In: c.String("in"), DirectIn: c.String("direct-in"),
+				Name: c.String("name"), ClusterName: c.String("cluster-name"), ClusterListen: c.String("cluster-listen"),
+				Routes: bench.List(c.String("routes"))}, c.App.Writer)
 			if errors.Is(err, bench.ErrInvalidConfig) {
 				return usageError{err}
 			}

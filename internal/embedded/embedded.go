@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"strconv"
 	"time"
 
@@ -27,6 +28,18 @@ type Config struct {
 	Name string
 	// ReadyTimeout is how long [Start] waits for the server to accept connections. Default 10s.
 	ReadyTimeout time.Duration
+	// Cluster, if set, makes the server a node of a JetStream cluster (the bench's 3-node runs:
+	// `kvmapper bench --cluster 3`). Each node needs a distinct Name.
+	Cluster *Cluster
+}
+
+// Cluster is a node's place in a cluster: the cluster's name, the host:port it accepts routes
+// on, and the routes (nats-route://host:port) to every node, itself included, as a
+// nats-server configuration's cluster block gives them.
+type Cluster struct {
+	Name   string
+	Listen string
+	Routes []string
 }
 
 // Server is a running embedded NATS server with JetStream. Its methods are safe for concurrent
@@ -59,6 +72,11 @@ func Start(cfg Config) (*Server, error) {
 		JetStream:  true,
 		StoreDir:   cfg.Dir,
 		NoSigs:     true,
+	}
+	if c := cfg.Cluster; c != nil {
+		if err := clusterOpts(opts, c); err != nil {
+			return nil, err
+		}
 	}
 	if len(cfg.Mappings) > 0 {
 		// What the server does with a top-level mappings block: the global account, configured
@@ -99,4 +117,25 @@ func (s *Server) AddMapping(src, dest string) error {
 func (s *Server) Shutdown() {
 	s.srv.Shutdown()
 	s.srv.WaitForShutdown()
+}
+
+// clusterOpts sets the cluster block of opts from c.
+func clusterOpts(opts *server.Options, c *Cluster) error {
+	host, port, err := net.SplitHostPort(c.Listen)
+	if err != nil {
+		return fmt.Errorf("%w: cluster listen %q: want host:port (%v)", ErrInvalidListen, c.Listen, err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("%w: cluster listen %q: bad port", ErrInvalidListen, c.Listen)
+	}
+	opts.Cluster = server.ClusterOpts{Name: c.Name, Host: host, Port: p}
+	for _, r := range c.Routes {
+		u, err := url.Parse(r)
+		if err != nil {
+			return fmt.Errorf("%w: route %q: %v", ErrInvalidListen, r, err)
+		}
+		opts.Routes = append(opts.Routes, u)
+	}
+	return nil
 }
