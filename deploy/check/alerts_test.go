@@ -2,6 +2,7 @@ package check
 
 import (
 	"context"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -249,12 +250,22 @@ func TestAlertsFireOnTheirFaultsOnly(t *testing.T) {
 			}
 			for _, sc := range scs {
 				t.Run(r.Alert+"/"+sc.name, func(t *testing.T) {
-					fired, err := evalAlert(r.Expr, time.Duration(r.For), sc)
+					alerts, err := firingAlerts(r.Expr, time.Duration(r.For), sc)
 					if err != nil {
 						t.Fatal(err)
 					}
-					if fired != sc.fires {
+					if fired := len(alerts) > 0; fired != sc.fires {
 						t.Errorf("fired = %v, want %v; the series:%s", fired, sc.fires, sc.series)
+					}
+					// What the annotations name ({{ $labels.x }}) each alert carries: an
+					// expression that drops a label (absent() of a comparison, a sum without
+					// it) leaves the text with a hole, and the alert without its routing.
+					for _, a := range alerts {
+						for _, l := range annotationLabels(r.Annotations) {
+							if a.Get(l) == "" {
+								t.Errorf("an alert that fired has no label %s, which its annotations name: %v", l, a)
+							}
+						}
 					}
 				})
 			}
@@ -288,9 +299,15 @@ func alertRule(t *testing.T, name string) rulefmt.Rule {
 // rule manager itself, package rules, and promqltest's storage, package tsdb, would bring the
 // notifier's and remote write's cloud SDKs into this module: the series are held here instead.)
 func evalAlert(expr string, hold time.Duration, sc scenario) (bool, error) {
+	fired, err := firingAlerts(expr, hold, sc)
+	return len(fired) > 0, err
+}
+
+// firingAlerts is evalAlert returning the label sets of the alerts that fired.
+func firingAlerts(expr string, hold time.Duration, sc scenario) ([]labels.Labels, error) {
 	series, steps, err := loadSeries(sc)
 	if err != nil {
-		return false, err
+		return nil, err
 	}
 	engine := promqlengine.NewEngine(promqlengine.EngineOpts{MaxSamples: 1_000_000, Timeout: time.Minute, LookbackDelta: 5 * time.Minute,
 		NoStepSubqueryIntervalFn: func(int64) int64 { return time.Minute.Milliseconds() }})
@@ -306,21 +323,21 @@ func evalAlert(expr string, hold time.Duration, sc scenario) (bool, error) {
 		}}, nil
 	})
 	activeAt := map[string]time.Time{}
-	fired := false
+	fired := map[string]labels.Labels{}
 	for i := range steps {
 		ts := time.UnixMilli(0).Add(time.Duration(i) * sc.step)
 		q, err := engine.NewInstantQuery(context.Background(), queryable, nil, expr, ts)
 		if err != nil {
-			return false, err
+			return nil, err
 		}
 		res := q.Exec(context.Background())
 		vec, err := res.Vector()
 		q.Close()
 		if res.Err != nil {
-			return false, res.Err
+			return nil, res.Err
 		}
 		if err != nil {
-			return false, err
+			return nil, err
 		}
 		now := map[string]bool{}
 		for _, s := range vec {
@@ -330,7 +347,7 @@ func evalAlert(expr string, hold time.Duration, sc scenario) (bool, error) {
 				activeAt[k] = ts
 			}
 			if ts.Sub(activeAt[k]) >= hold {
-				fired = true
+				fired[k] = s.Metric
 			}
 		}
 		for k := range activeAt {
@@ -339,7 +356,11 @@ func evalAlert(expr string, hold time.Duration, sc scenario) (bool, error) {
 			}
 		}
 	}
-	return fired, nil
+	var out []labels.Labels
+	for _, l := range fired {
+		out = append(out, l)
+	}
+	return out, nil
 }
 
 // loadSeries reads sc's series with PromQL's own parser of the notation, sorted by labels as a
@@ -398,3 +419,18 @@ func (s fsample) H() *histogram.Histogram       { return nil }
 func (s fsample) FH() *histogram.FloatHistogram { return nil }
 func (s fsample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
 func (s fsample) Copy() chunks.Sample           { return s }
+
+// annotationLabels are the labels an alert's annotations name as {{ $labels.x }}.
+func annotationLabels(annotations map[string]string) []string {
+	var out []string
+	for _, text := range annotations {
+		for _, m := range labelRef.FindAllStringSubmatch(text, -1) {
+			if !slices.Contains(out, m[1]) {
+				out = append(out, m[1])
+			}
+		}
+	}
+	return out
+}
+
+var labelRef = regexp.MustCompile(`\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)`)
