@@ -292,7 +292,7 @@ func (w *Writer) ProbeAll() {
 // SetFence makes every batch stream i stores from now on carry a check on its first message (and
 // every message sent alone): the stream stores it only while the last message on subject in it
 // is at sequence seq, the fence record the caller wrote there. A refusal of that check is the
-// end ([ErrFenced]). Only atomic streams carry a fence.
+// end ([ErrFenced]). Fast-ingest batches carry none: a fenced stream is never written in them.
 func (w *Writer) SetFence(i int, subject string, seq uint64) {
 	t := w.targets[i]
 	t.fenceSubj, t.fenceSeq = subject, strconv.FormatUint(seq, 10)

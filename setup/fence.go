@@ -82,7 +82,7 @@ func ensureFences(ctx context.Context, js jetstream.JetStream, cfg Config) (stri
 			return "", fmt.Errorf("setup: writing %s in bucket %s: %w", wire.FenceKey, cfg.Control, err)
 		}
 	}
-	line := fmt.Sprintf("output streams %s fenced: each partition's new owner writes its record on %s.<stream>.<partition> before its first write",
+	line := fmt.Sprintf("output streams %s fenced: each partition's new owner writes its record on %s.<stream>.<partition>.<incarnation> before its first write",
 		want, subjects.FencePrefix)
 	if len(updated) > 0 {
 		line += fmt.Sprintf(" (added to %s)", strings.Join(updated, ", "))
