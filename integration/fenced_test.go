@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -67,4 +68,58 @@ func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// A partition whose fence record cannot be written is given up, and counted in
+// kvmapper_fence_write_failures_total, which the deploy kit's KvmapperFenceWriteFailed alert
+// watches (issue 35 item 2). Here the control bucket comes to name OUTGOING as fenced while
+// OUTGOING does not capture the fence subjects (drift: an edited stream, a setup of another
+// version), so every claim after the replica reads it again fails to fence; the lease it
+// overwrites makes claims happen.
+func TestFenceWriteFailureIsCountedAndReleased(t *testing.T) {
+	e := newEnv(t)
+	r0 := e.startMapper("r0", "--metrics-listen", "127.0.0.1:0")
+	addr, _ := r0.waitLog("metrics listening", 10*time.Second)["addr"].(string)
+	if addr == "" {
+		t.Fatal("r0 logged no metrics address")
+	}
+	url := "http://" + addr + "/metrics"
+	failures := func() float64 {
+		m := regexp.MustCompile(`(?m)^kvmapper_fence_write_failures_total (\S+)$`).FindStringSubmatch(httpGet(t, url))
+		if m == nil {
+			return -1
+		}
+		v, _ := strconv.ParseFloat(m[1], 64)
+		return v
+	}
+	if n := failures(); n != 0 {
+		t.Fatalf("kvmapper_fence_write_failures_total = %v before any fence, want 0 (exported)", n)
+	}
+	ctx := context.Background()
+	if _, err := e.ctl.PutString(ctx, wire.FenceKey, "OUTGOING"); err != nil {
+		t.Fatal(err)
+	}
+	// The lanes read the fenced streams again at a claim once 10 s have passed since the last
+	// read: overwrite a lease until a claim has read them and failed.
+	const p = 5
+	natstest.Eventually(t, 60*time.Second, func() error {
+		if n := failures(); n >= 1 {
+			return nil
+		}
+		if _, err := e.ctl.Put(ctx, wire.LeaseKey(p), []byte("intruder")); err != nil {
+			return err
+		}
+		return fmt.Errorf("kvmapper_fence_write_failures_total still 0")
+	})
+	// It said why, at error level, and gave the partition up rather than map it unfenced.
+	var said, released bool
+	for _, l := range r0.logs.lines() {
+		msg, _ := l["message"].(string)
+		err, _ := l["error"].(string)
+		said = said || l["level"] == "error" && strings.Contains(err, "does not capture kvmapper.fence.OUTGOING")
+		released = released || said && msg == "partition released"
+	}
+	if !said || !released {
+		t.Errorf("r0 logged the fence write's failure at error level: %v, and released a partition after it: %v; want both", said, released)
+	}
 }
