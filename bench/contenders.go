@@ -364,20 +364,7 @@ func (e *env) relayCeiling(ctx context.Context) (Contender, error) {
 		if err != nil {
 			return err
 		}
-		msgs := make(chan *nats.Msg, relayWindow)
-		g, gctx := errgroup.WithContext(ctx)
-		g.Go(func() error {
-			return e.relay(gctx, js, func(m *nats.Msg) error {
-				select {
-				case msgs <- m:
-					return nil
-				case <-gctx.Done():
-					return gctx.Err()
-				}
-			})
-		})
-		g.Go(func() error { return batchWriter(gctx, js, msgs) })
-		return g.Wait()
+		return e.relayToWriters(ctx, js, 1, batchWriter)
 	})
 }
 
@@ -437,6 +424,28 @@ func batchWriter(ctx context.Context, js jetstream.JetStream, msgs <-chan *nats.
 	}
 }
 
+// relayToWriters runs the relay's readers, handing every mapped message through a channel of
+// relayWindow to n writers, until ctx ends or a reader or writer fails.
+func (e *env) relayToWriters(ctx context.Context, js jetstream.JetStream, n int,
+	writer func(context.Context, jetstream.JetStream, <-chan *nats.Msg) error) error {
+	msgs := make(chan *nats.Msg, relayWindow)
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		return e.relay(gctx, js, func(m *nats.Msg) error {
+			select {
+			case msgs <- m:
+				return nil
+			case <-gctx.Done():
+				return gctx.Err()
+			}
+		})
+	})
+	for range n {
+		g.Go(func() error { return writer(gctx, js, msgs) })
+	}
+	return g.Wait()
+}
+
 // relayAtomic is [RelayAtomic]: the consumers hand their messages to relayAtomicInFlight
 // writers; each takes what is waiting, up to relayAtomicBatch messages, and commits it as one
 // atomic batch, waiting for its answer before it takes more.
@@ -446,22 +455,7 @@ func (e *env) relayAtomic(ctx context.Context) (Contender, error) {
 		if err != nil {
 			return err
 		}
-		msgs := make(chan *nats.Msg, relayWindow)
-		g, gctx := errgroup.WithContext(ctx)
-		g.Go(func() error {
-			return e.relay(gctx, js, func(m *nats.Msg) error {
-				select {
-				case msgs <- m:
-					return nil
-				case <-gctx.Done():
-					return gctx.Err()
-				}
-			})
-		})
-		for range relayAtomicInFlight {
-			g.Go(func() error { return atomicWriter(gctx, js, msgs) })
-		}
-		return g.Wait()
+		return e.relayToWriters(ctx, js, relayAtomicInFlight, atomicWriter)
 	})
 }
 

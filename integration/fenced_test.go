@@ -20,24 +20,12 @@ import (
 func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 	e := newEnv(t)
 	r0 := e.startMapper("r0", "--metrics-listen", "127.0.0.1:0")
-	addr, _ := r0.waitLog("metrics listening", 10*time.Second)["addr"].(string)
-	if addr == "" {
-		t.Fatal("r0 logged no metrics address")
-	}
-	url := "http://" + addr + "/metrics"
-	value := func(body, series string) (float64, bool) {
-		m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindStringSubmatch(body)
-		if m == nil {
-			return 0, false
-		}
-		v, err := strconv.ParseFloat(m[1], 64)
-		return v, err == nil
-	}
+	url := metricsURL(t, r0)
 	owned := func(want int) string {
 		var body string
 		natstest.Eventually(t, 30*time.Second, func() error {
 			body = httpGet(t, url)
-			if n, _ := value(body, "kvmapper_partitions_owned"); int(n) != want {
+			if n, _ := metricValue(body, "kvmapper_partitions_owned"); int(n) != want {
 				return fmt.Errorf("r0 owns %v partitions, want %d", n, want)
 			}
 			return nil
@@ -47,10 +35,10 @@ func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 	owned(16)
 	e.startMapper("r1")
 	body := owned(8)
-	if n, ok := value(body, "kvmapper_fenced_total"); !ok || n != 0 {
+	if n, ok := metricValue(body, "kvmapper_fenced_total"); !ok || n != 0 {
 		t.Fatalf("after handing 8 partitions over: kvmapper_fenced_total %v (exported: %v), want 0", n, ok)
 	}
-	if n, _ := value(body, `kvmapper_ownership_changes_total{change="released"}`); n < 8 {
+	if n, _ := metricValue(body, `kvmapper_ownership_changes_total{change="released"}`); n < 8 {
 		t.Fatalf("kvmapper_ownership_changes_total{change=\"released\"} = %v, want the 8 handed over: the test proves nothing", n)
 	}
 
@@ -63,7 +51,7 @@ func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 		t.Fatalf("overwriting lease.%d: %v", p, err)
 	}
 	natstest.Eventually(t, 10*time.Second, func() error {
-		if n, _ := value(httpGet(t, url), "kvmapper_fenced_total"); n != 1 {
+		if n, _ := metricValue(httpGet(t, url), "kvmapper_fenced_total"); n != 1 {
 			return fmt.Errorf("kvmapper_fenced_total %v after lease.%d was taken, want 1", n, p)
 		}
 		return nil
@@ -79,18 +67,12 @@ func TestFencedPartitionIsCountedAndHandoverIsNot(t *testing.T) {
 func TestFenceWriteFailureIsCountedAndReleased(t *testing.T) {
 	e := newEnv(t)
 	r0 := e.startMapper("r0", "--metrics-listen", "127.0.0.1:0")
-	addr, _ := r0.waitLog("metrics listening", 10*time.Second)["addr"].(string)
-	if addr == "" {
-		t.Fatal("r0 logged no metrics address")
-	}
-	url := "http://" + addr + "/metrics"
+	url := metricsURL(t, r0)
 	failures := func() float64 {
-		m := regexp.MustCompile(`(?m)^kvmapper_fence_write_failures_total (\S+)$`).FindStringSubmatch(httpGet(t, url))
-		if m == nil {
-			return -1
+		if v, ok := metricValue(httpGet(t, url), "kvmapper_fence_write_failures_total"); ok {
+			return v
 		}
-		v, _ := strconv.ParseFloat(m[1], 64)
-		return v
+		return -1
 	}
 	if n := failures(); n != 0 {
 		t.Fatalf("kvmapper_fence_write_failures_total = %v before any fence, want 0 (exported)", n)
@@ -122,4 +104,25 @@ func TestFenceWriteFailureIsCountedAndReleased(t *testing.T) {
 	if !said || !released {
 		t.Errorf("r0 logged the fence write's failure at error level: %v, and released a partition after it: %v; want both", said, released)
 	}
+}
+
+// metricsURL is the /metrics address m logged, started with --metrics-listen.
+func metricsURL(t *testing.T, m *mapper) string {
+	t.Helper()
+	addr, _ := m.waitLog("metrics listening", 10*time.Second)["addr"].(string)
+	if addr == "" {
+		t.Fatal("the replica logged no metrics address")
+	}
+	return "http://" + addr + "/metrics"
+}
+
+// metricValue is the value of series (name and labels, as exported) in a /metrics body, and
+// whether it is there.
+func metricValue(body, series string) (float64, bool) {
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindStringSubmatch(body)
+	if m == nil {
+		return 0, false
+	}
+	v, err := strconv.ParseFloat(m[1], 64)
+	return v, err == nil
 }
