@@ -48,6 +48,9 @@ type clusterEnv struct {
 	stops []func()
 	// strays are devices of the load without a group: their messages go to UNMAPPED.
 	strays []string
+	// gen is the load's generator (newGenerator), whose acknowledgements tell when INCOMING
+	// had each message for good.
+	gen *generator
 }
 
 // runDefaults are the lane and election settings `kvmapper run` passes when no flag is given;
@@ -151,10 +154,10 @@ func (e *clusterEnv) startReplica(i int) {
 	t.Cleanup(stop)
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("warnings and errors of %s:\n%s", id, logs.matching(`"level":"(warn|error)"`, 80))
+			t.Logf("warnings, errors and consumer resets of %s:\n%s", id, logs.matching(`"level":"(warn|error)"|"consumer reset"`, 80))
 		}
 		if dir := os.Getenv("KVMAPPER_TEST_LOGDIR"); dir != "" {
-			_ = os.WriteFile(filepath.Join(dir, t.Name()+"-"+id+".log"), []byte(logs.String()), 0o644)
+			_ = os.WriteFile(filepath.Join(dir, strings.ReplaceAll(t.Name(), "/", "_")+"-"+id+".log"), []byte(logs.String()), 0o644)
 		}
 	})
 	select {
@@ -312,6 +315,14 @@ type generator struct {
 	stop    chan struct{}
 	done    chan struct{}
 	next    int
+
+	mu sync.Mutex
+	// acked is when the generator saw each payload's acknowledgement (to 10 ms, its tick):
+	// INCOMING had stored it for good by then, and may not have before. A message INCOMING
+	// timestamps as its leader proposes it is stored only once a quorum has it: through a
+	// leader change of its stream, that can be seconds later, and what kvmapper could not
+	// read yet is not kvmapper's wait.
+	acked map[string]time.Time
 }
 
 type genPub struct {
@@ -320,7 +331,7 @@ type genPub struct {
 }
 
 func startGenerator(t *testing.T, js jetstream.JetStream, devices []string, rate int) *generator {
-	g := &generator{t: t, js: js, devices: devices, stop: make(chan struct{}), done: make(chan struct{})}
+	g := &generator{t: t, js: js, devices: devices, stop: make(chan struct{}), done: make(chan struct{}), acked: map[string]time.Time{}}
 	g.rate.Store(int64(rate))
 	go g.run()
 	t.Cleanup(func() { g.finish(0) })
@@ -354,6 +365,9 @@ func (g *generator) run() {
 			select {
 			case <-p.fut.Ok():
 				g.sent.Add(1)
+				g.mu.Lock()
+				g.acked[string(p.msg.Data)] = time.Now()
+				g.mu.Unlock()
 				continue
 			case <-p.fut.Err():
 				p.fut = nil
@@ -387,6 +401,14 @@ func (g *generator) run() {
 			p.fut = fut
 		}
 	}
+}
+
+// ackedAt returns when the generator saw payload acknowledged; false if it did not.
+func (g *generator) ackedAt(payload string) (time.Time, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	t, ok := g.acked[payload]
+	return t, ok
 }
 
 // setRate changes the rate from the next tick on.
@@ -524,8 +546,9 @@ type window struct {
 	name     string
 	from, to time.Time
 	maxGap   time.Duration // the largest gap allowed between consecutive OUTGOING messages while one waited in INCOMING; 0: none
-	// maxWait is the longest a message stored in the window may have waited between INCOMING and
-	// OUTGOING (the gap of its device); 0: no bound.
+	// maxWait is the longest a message whose OUTGOING copy falls in the window, stored in
+	// INCOMING once the first fault began, may have waited between INCOMING and OUTGOING (the
+	// gap of its device); 0: no bound.
 	maxWait time.Duration
 	// elected, when set, is when the new leader of the stream whose leader was killed was seen:
 	// the end of the largest gap is when mapping resumed, and must come within maxResume of it.
@@ -560,7 +583,9 @@ func (e *clusterEnv) check(total int, windows []window) {
 	})
 	want := map[string][]string{}
 	stored := map[string]time.Time{} // when INCOMING stored each payload
+	where := map[string]string{}     // and where: stream and sequence
 	var inTimes []time.Time
+	streamTimes := map[string][]time.Time{} // each INCOMING stream's, in its order
 	n := 0
 	for _, s := range e.names.IncomingStreams(partitions) {
 		for _, m := range e.read(s) {
@@ -568,7 +593,9 @@ func (e *clusterEnv) check(total int, windows []window) {
 			want[dev] = append(want[dev], string(m.Data()))
 			if md, err := m.Metadata(); err == nil {
 				stored[string(m.Data())] = md.Timestamp
+				where[string(m.Data())] = fmt.Sprintf("%s#%d", s, md.Sequence.Stream)
 				inTimes = append(inTimes, md.Timestamp)
+				streamTimes[s] = append(streamTimes[s], md.Timestamp)
 			}
 			n++
 		}
@@ -581,6 +608,7 @@ func (e *clusterEnv) check(total int, windows []window) {
 	got := map[string][]string{}
 	times := make([]time.Time, len(out))
 	delays := make([]time.Duration, len(out)) // from INCOMING's copy to OUTGOING's
+	storedAt := make([]time.Time, len(out))   // INCOMING's copy's timestamp; zero when unknown
 	for i, m := range out {
 		dev, _, _ := strings.Cut(string(m.Data()), ":")
 		if slices.Contains(e.strays, dev) {
@@ -594,6 +622,7 @@ func (e *clusterEnv) check(total int, windows []window) {
 		times[i] = md.Timestamp
 		if in, ok := stored[string(m.Data())]; ok {
 			delays[i] = md.Timestamp.Sub(in)
+			storedAt[i] = in
 		}
 	}
 	// waiting[i] is when the earliest INCOMING message of those OUTGOING stored from times[i] on
@@ -685,12 +714,32 @@ func (e *clusterEnv) check(total int, windows []window) {
 	e.t.Logf("%d messages of %d devices (%d in UNMAPPED); %d stored after a later one of their device; %d publishes acknowledged as duplicates",
 		total, len(want), len(dead), len(reorders), dups)
 	slices.SortFunc(inTimes, func(a, b time.Time) int { return a.Compare(b) })
+	// A message stored before the first fault belongs to no fault: the replicas may still have
+	// been settling (a partition handed to the replica it ranks first for, its new lane starting),
+	// which the faults' bounds are not about. A fault that holds a partition up shows in the
+	// messages stored after it began, which the load brings every few tens of milliseconds.
+	var first time.Time
+	for _, w := range windows {
+		if first.IsZero() || w.from.Before(first) {
+			first = w.from
+		}
+	}
+	var settling time.Duration
+	for i := range out {
+		if !storedAt[i].IsZero() && storedAt[i].Before(first) {
+			settling = max(settling, delays[i])
+		}
+	}
+	if len(windows) > 0 {
+		e.t.Logf("before the first fault: longest a message waited between INCOMING and OUTGOING %v (not bounded)", settling.Round(time.Millisecond))
+	}
 	for _, w := range windows {
 		if w.quiet {
 			continue
 		}
 		var gap, share, delay time.Duration
 		var at time.Time
+		slowest := -1 // the message that waited longest
 		// A gap belongs to the window its end falls in: a fault's gap starts before it. Its
 		// share is the part of it during which a message waited for kvmapper (waiting).
 		for i := 1; i < len(times); i++ {
@@ -701,7 +750,11 @@ func (e *clusterEnv) check(total int, windows []window) {
 				gap, at = d, times[i-1]
 			}
 			share = max(share, times[i].Sub(later(times[i-1], waiting[i])))
-			delay = max(delay, delays[i])
+		}
+		for i := range out {
+			if times[i].After(w.from) && !times[i].After(w.to) && !storedAt[i].Before(first) && delays[i] > delay {
+				delay, slowest = delays[i], i
+			}
 		}
 		var inGap time.Duration
 		for i := 1; i < len(inTimes); i++ {
@@ -709,14 +762,45 @@ func (e *clusterEnv) check(total int, windows []window) {
 				inGap = max(inGap, inTimes[i].Sub(inTimes[i-1]))
 			}
 		}
+		// In the streams layout each partition has an INCOMING stream, and one stream's pause
+		// (its own leader change) hides among the others' messages: its largest gap too.
+		var streamGap time.Duration
+		var gapStream string
+		if len(streamTimes) > 1 {
+			for s, ts := range streamTimes {
+				for i := 1; i < len(ts); i++ {
+					if ts[i].After(w.from) && !ts[i].After(w.to) && ts[i].Sub(ts[i-1]) > streamGap {
+						streamGap, gapStream = ts[i].Sub(ts[i-1]), s
+					}
+				}
+			}
+		}
 		line := fmt.Sprintf("%s: largest gap between consecutive OUTGOING messages %v (from %s; in INCOMING %v; with a message waiting %v), longest a message waited between INCOMING and OUTGOING %v",
 			w.name, gap.Round(time.Millisecond), at.Format("15:04:05.000"), inGap.Round(time.Millisecond), share.Round(time.Millisecond), delay.Round(time.Millisecond))
+		if gapStream != "" {
+			line += fmt.Sprintf("; one INCOMING stream's largest gap %v (%s)", streamGap.Round(time.Millisecond), gapStream)
+		}
 		if !w.elected.IsZero() {
 			resumed := at.Add(gap).Sub(w.elected)
 			line += fmt.Sprintf("; mapping resumed %v after the new leader was seen", resumed.Round(time.Millisecond))
 			if resumed > w.maxResume {
 				e.t.Errorf("%s: mapping resumed %v after the new leader was seen, want at most %v", w.name, resumed, w.maxResume)
 			}
+		}
+		if slowest >= 0 {
+			// Which partition's message, and when: the replicas' logs (consumer resets,
+			// waits) say what held it.
+			// Its device's acknowledgement says how long INCOMING took to store it for good: a
+			// message is timestamped when its stream's leader proposes it, and stored once a
+			// quorum has it, which a leader change can delay.
+			p := string(out[slowest].Data())
+			line += fmt.Sprintf(" (%s, %s, stored %s", p, where[p], storedAt[slowest].Format("15:04:05.000"))
+			if e.gen != nil {
+				if at, ok := e.gen.ackedAt(p); ok {
+					line += fmt.Sprintf(", acknowledged to its device %v later", at.Sub(storedAt[slowest]).Round(time.Millisecond))
+				}
+			}
+			line += ")"
 		}
 		e.t.Log(line)
 		if w.maxGap > 0 && share > w.maxGap {
@@ -763,11 +847,12 @@ func (b *logBuf) matching(re string, n int) string {
 }
 
 // electionDebug passes on every log line but the debug lines of components other than the
-// election.
+// election, and the lanes' consumer resets (a consumer replaced, which a message's wait can
+// show).
 type electionDebug struct{ w *logBuf }
 
 func (f electionDebug) Write(p []byte) (int, error) {
-	if bytes.Contains(p, []byte(`"level":"debug"`)) && !bytes.Contains(p, []byte(`"component":"election"`)) {
+	if bytes.Contains(p, []byte(`"level":"debug"`)) && !bytes.Contains(p, []byte(`"component":"election"`)) && !bytes.Contains(p, []byte(`"consumer reset"`)) {
 		return len(p), nil
 	}
 	return f.w.Write(p)

@@ -52,7 +52,8 @@ func (e *clusterEnv) newGenerator(devices []string, rate int) *generator {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	return startGenerator(e.t, js, devices, rate)
+	e.gen = startGenerator(e.t, js, devices, rate)
+	return e.gen
 }
 
 // TestClusterRidesThroughNodeLoss runs kvmapper on a 3-node cluster, every stream and bucket at

@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,7 +66,7 @@ func startDrillReplica(t *testing.T, c *natstest.Cluster, i int, id string, scfg
 			t.Logf("warnings and errors of %s:\n%s", id, logs.matching(`"level":"(warn|error)"`, 40))
 		}
 		if dir := os.Getenv("KVMAPPER_TEST_LOGDIR"); dir != "" {
-			_ = os.WriteFile(dir+"/"+t.Name()+"-"+id+".log", []byte(logs.String()), 0o644)
+			_ = os.WriteFile(filepath.Join(dir, strings.ReplaceAll(t.Name(), "/", "_")+"-"+id+".log"), []byte(logs.String()), 0o644)
 		}
 	})
 	select {
