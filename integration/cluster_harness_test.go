@@ -146,6 +146,7 @@ func (e *clusterEnv) startReplica(i int) {
 				if err != nil {
 					t.Errorf("%s: Run() = %v, want nil", id, err)
 				}
+				abandoned(t, id, logs)
 			case <-time.After(60 * time.Second):
 				t.Errorf("%s: Run did not return within 60s of cancel", id)
 			}
@@ -844,6 +845,17 @@ func (b *logBuf) matching(re string, n int) string {
 		}
 	}
 	return strings.Join(out[max(0, len(out)-n):], "\n")
+}
+
+// abandoned fails the test when the replica whose log is logs abandoned a partition's work (it
+// did not return within the election's ReleaseTimeout): that work runs on past the replica's
+// Run, and past the test, where only goleak's check at the end of the package would see it,
+// naming no test.
+func abandoned(t *testing.T, id string, logs *logBuf) {
+	t.Helper()
+	if lines := logs.matching(`did not return in time`, 10); lines != "" {
+		t.Errorf("%s abandoned a partition's work, which runs on past its Run:\n%s", id, lines)
+	}
 }
 
 // electionDebug passes on every log line but the debug lines of components other than the

@@ -101,6 +101,7 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 			t.Cleanup(func() {
 				cancel()
 				<-done
+				abandoned(t, "r", logs)
 			})
 			// On the shared connection the claims themselves may starve behind the first
 			// lanes' writes (a loaded machine saw 15 of 16 claimed in 30 s): that is the

@@ -59,6 +59,7 @@ func startDrillReplica(t *testing.T, c *natstest.Cluster, i int, id string, scfg
 		cancel()
 		select {
 		case <-done:
+			abandoned(t, id, logs)
 		case <-time.After(60 * time.Second):
 			t.Errorf("%s: Run did not return within 60s of cancel", id)
 		}
