@@ -110,7 +110,7 @@ func (w *Writer) sendAtomic(t *target) {
 	t.bn = w.bn
 	t.open, t.commit, t.broken, t.why, t.acked, t.bseq = true, true, false, nil, 0, uint64(n)
 	t.msgs = append(t.msgs[:0], batch...)
-	idv := []string{w.in.uid + "w" + w.idTok + "b" + strconv.FormatUint(t.bn, 10)}
+	idv := []string{w.in.bid + "w" + w.idTok + "b" + strconv.FormatUint(t.bn, 10)}
 	gen, now := w.in.generation(), time.Now()
 	for i, m := range batch {
 		m.sent, m.Stored, m.Duplicate, m.Seq, m.Err = true, false, false, 0, nil

@@ -18,9 +18,15 @@ import (
 // ([Writer.Wait], [Writer.Recover]) reads C itself and applies answers to whichever writer
 // they are for. It is not safe for concurrent use.
 type Inbox struct {
-	nc      *nats.Conn
-	prefix  string // "<inbox>.": single replies are prefix + writer + "." + key
-	uid     string // the inbox's last token: batch ids start with it
+	nc     *nats.Conn
+	prefix string // "<inbox>.": single replies are prefix + writer + "." + key
+	uid    string // the inbox's last token: batch replies start with it
+	// bid starts the Nats-Batch-Id of its writers' atomic batches: the uid's last 8 characters.
+	// The server stores the id with every message of the batch, and needs it unique only among
+	// the stream's open batches: the uid is a nuid, whose last characters count up within a
+	// process (by 33–333 at a time) from a random start in each, so two inboxes share them with
+	// a chance of one in 62^8 (2×10^14). 14 bytes less per stored message than the whole uid.
+	bid     string
 	c       chan *nats.Msg
 	sub     *nats.Subscription
 	writers map[uint32]*Writer
@@ -38,6 +44,7 @@ func NewInbox(nc *nats.Conn, capacity int) (*Inbox, error) {
 	inbox := nc.NewInbox()
 	in := &Inbox{nc: nc, prefix: inbox + ".", uid: inbox[strings.LastIndexByte(inbox, '.')+1:],
 		c: make(chan *nats.Msg, capacity), writers: make(map[uint32]*Writer)}
+	in.bid = in.uid[max(0, len(in.uid)-8):]
 	sub, err := nc.ChanSubscribe(in.prefix+">", in.c)
 	if err != nil {
 		return nil, fmt.Errorf("ordered: subscribing to acknowledgements: %w", err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"slices"
 	"strconv"
@@ -660,5 +661,66 @@ func TestNothingIsSentWhileReconnecting(t *testing.T) {
 	}
 	if got := e.ids("OUTGOING"); !slices.Equal(got, idsOf(ms)) {
 		t.Fatalf("OUTGOING holds %v, want the %d sent, once each, in order", got, len(ms))
+	}
+}
+
+// TestAtomicBatchIDsOfTwoInboxes: the writers of two inboxes on one connection (as a replica's
+// lanes and its parking share one) number their writers and batches alike, and their short
+// batch ids (8 characters of the inbox's nuid, not all 22: the server stores the id with every
+// message) still differ, so that the stream never takes two writers' batches for one. The ids
+// are read off the wire, as the server sees them.
+func TestAtomicBatchIDsOfTwoInboxes(t *testing.T) {
+	e := newEnv(t, nil)
+	var mu sync.Mutex
+	ids := map[string]bool{}
+	tap := e.srv.Connect(t)
+	sub, err := tap.Subscribe("outgoing.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		ids[m.Header.Get("Nats-Batch-Id")] = true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tap.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	streams := []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeAtomic}}
+	a := newDriver(t, e.nc, streams, ordered.Config{})
+	b := newDriver(t, e.nc, streams, ordered.Config{})
+	a.paced, b.paced = true, true // one batch each at a time: batch numbers 1, 2, … alike
+	if err := a.run(msgs(1, 40), 10); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	first := maps.Clone(ids)
+	clear(ids)
+	mu.Unlock()
+	if err := b.run(msgs(41, 40), 10); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Drain(); err != nil {
+		t.Fatal(err)
+	}
+	natstest.Eventually(t, 5*time.Second, func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(first) != 4 || len(ids) != 4 {
+			return fmt.Errorf("batch ids seen: %v and %v, want 4 each", first, ids)
+		}
+		return nil
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for id := range ids {
+		if first[id] {
+			t.Errorf("batch id %q used by the writers of both inboxes", id)
+		}
+		if len(id) > len("12345678w1b4") {
+			t.Errorf("batch id %q: want 8 characters of the inbox, the writer and the batch", id)
+		}
+	}
+	if got := e.ids("OUTGOING"); len(got) != 80 {
+		t.Errorf("OUTGOING holds %d messages, want 80", len(got))
 	}
 }
