@@ -32,7 +32,7 @@ const (
 	// ("<Incoming>:<seq>"). Someone other than kvmapper published it; it does not fail the audit.
 	KindForeign = "foreign"
 	// KindMapping: a message of OUTGOING whose subject or output headers are not what the value
-	// it was mapped with (the revision of the groups bucket its KVMapper-Revision names) renders
+	// it was mapped with (the revision of the groups bucket its KVMapper-Prov names) renders
 	// with the templates, or whose revision is not a usable value of its device.
 	KindMapping = "mapping"
 )
@@ -107,7 +107,7 @@ type Report struct {
 	StaleEpochs uint64 `json:"stale_epochs"`
 	// Mappings counts the OUTGOING messages that do not match the value they were mapped with
 	// (KindMapping). MappingChecked counts those checked, MappingUnchecked those that could not
-	// be: no KVMapper-Revision (provenance off), or a revision the groups bucket no longer holds
+	// be: no revision in KVMapper-Prov (provenance off), or a revision the groups bucket no longer holds
 	// (its history keeps --groups-history values per key).
 	Mappings         uint64 `json:"mappings"`
 	MappingChecked   uint64 `json:"mapping_checked"`

@@ -72,7 +72,8 @@ type put struct {
 	device    string
 	unmapped  bool
 	malformed bool
-	epoch     uint64 // adds the provenance headers when not zero
+	epoch     uint64 // adds the provenance header when not zero
+	oldProv   bool   // as the three headers kvmapper wrote before KVMapper-Prov
 	id        string // Nats-Msg-Id instead of INCOMING:<incarnation>:<seq>; "-" for none, "legacy" for INCOMING:<seq>
 }
 
@@ -123,9 +124,12 @@ func (e *env) publish(c put) (*jetstream.PubAck, error) {
 	default:
 		m.Header.Set(nats.MsgIdHdr, c.id)
 	}
-	if c.epoch != 0 {
-		m.Header.Set(wire.HeaderPartition, strconv.Itoa(subjects.Partition(c.device, e.lay.Partitions)))
+	switch p := subjects.Partition(c.device, e.lay.Partitions); {
+	case c.epoch != 0 && c.oldProv:
+		m.Header.Set(wire.HeaderPartition, strconv.Itoa(p))
 		m.Header.Set(wire.HeaderEpoch, strconv.FormatUint(c.epoch, 10))
+	case c.epoch != 0:
+		m.Header.Set(wire.HeaderProvenance, wire.ProvenanceValue(p, c.epoch, 0))
 	}
 	m.Data = []byte("x")
 	return e.js.PublishMsg(context.Background(), m)
@@ -320,13 +324,15 @@ func TestDeletedIncoming(t *testing.T) {
 	}
 }
 
+// A deposed owner's write is found whichever spelling of provenance each owner wrote: here the
+// deposed one runs a build from before KVMapper-Prov, as in a rolling upgrade.
 func TestStaleEpoch(t *testing.T) {
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-2", "dev-1", "dev-2")
-	e.out(put{seq: s[0], device: "dev-1", epoch: 5})
+	e.out(put{seq: s[0], device: "dev-1", epoch: 5, oldProv: true})
 	e.out(put{seq: s[1], device: "dev-1", epoch: 7})
 	e.out(put{seq: s[2], device: "dev-2", epoch: 2}) // another partition: its own epochs
-	stale := e.out(put{seq: s[3], device: "dev-1", epoch: 5})
+	stale := e.out(put{seq: s[3], device: "dev-1", epoch: 5, oldProv: true})
 	e.out(put{seq: s[4], device: "dev-2", epoch: 2})
 
 	rep := e.run(audit.Config{})

@@ -63,10 +63,8 @@ func BenchmarkRun1M(b *testing.B) {
 		d := devs[i%devices]
 		p := subjects.Partition(d, e.lay.Partitions)
 		m := &nats.Msg{Subject: "outgoing.g1." + d + ".temp", Data: payload, Header: nats.Header{
-			nats.MsgIdHdr:        {"INCOMING:" + strconv.Itoa(i+1)},
-			wire.HeaderPartition: {strconv.Itoa(p)},
-			wire.HeaderEpoch:     {epochs[p]},
-			wire.HeaderRevision:  {"7"},
+			nats.MsgIdHdr:         {"INCOMING:" + strconv.Itoa(i+1)},
+			wire.HeaderProvenance: {strconv.Itoa(p) + "." + epochs[p] + ".7"},
 		}}
 		if i%10 == 9 {
 			m.Subject = "unmapped." + d + ".temp"

@@ -26,7 +26,7 @@ type revision struct {
 }
 
 // mappingCheck checks each message of OUTGOING against the value it was mapped with: the
-// revision of the groups bucket its KVMapper-Revision header names, decoded by the templates'
+// revision of the groups bucket its KVMapper-Prov header names, decoded by the templates'
 // schema, must be a value of the message's device, one the templates can use, and render the
 // message's subject and output headers exactly. It reads each revision once (a direct get on the
 // bucket's stream) and keeps it decoded. Its state belongs to the OUTGOING reader's goroutine.
@@ -59,9 +59,9 @@ func newMappingCheck(ctx context.Context, js jetstream.JetStream, lay *subjects.
 // check checks one OUTGOING message of device; it returns the finding's detail when the message
 // does not match its value, "" when it does or cannot be checked (then it counts it unchecked).
 func (c *mappingCheck) check(ctx context.Context, subject string, hdr nats.Header, device string) (string, error) {
-	revs := hdr.Get(wire.HeaderRevision)
-	rev, ok := parseUint(revs)
-	if !ok || c.off != "" || device == "" {
+	pv, _ := wire.ReadProvenance(hdr.Get)
+	rev := pv.Revision
+	if rev == 0 || c.off != "" || device == "" {
 		c.unchecked++ // no provenance (--no-provenance), or the bucket is gone
 		return "", nil
 	}

@@ -14,7 +14,7 @@ import (
 )
 
 // TestMappingChecked: verify checks every OUTGOING message against the value its
-// KVMapper-Revision names, as the templates (out and headers) render it; a message mapped with
+// KVMapper-Prov names (or, stored before it, its KVMapper-Revision), as the templates (out and headers) render it; a message mapped with
 // another device's value, a deleted or unusable value, another field or another header fails
 // the audit, each named; one whose revision the bucket no longer holds, or that has none, is
 // counted unchecked.
@@ -61,7 +61,7 @@ func TestMappingChecked(t *testing.T) {
 
 	type msg struct {
 		device, subject string
-		rev             uint64 // 0: no KVMapper-Revision
+		rev             uint64 // 0: no revision in its provenance
 		tenant, where   string
 	}
 	msgs := []msg{
@@ -91,8 +91,14 @@ func TestMappingChecked(t *testing.T) {
 		seq := e.in(m.device)[0]
 		nm := nats.NewMsg(m.subject)
 		nm.Header.Set(nats.MsgIdHdr, e.idPrefixOf(m.device)+strconv.FormatUint(seq, 10))
-		if m.rev != 0 {
+		switch {
+		case m.rev != 0 && (i == 1 || i == 6):
+			// Stored before KVMapper-Prov: the three headers it replaced.
+			nm.Header.Set(wire.HeaderPartition, strconv.Itoa(subjects.Partition(m.device, lay.Partitions)))
+			nm.Header.Set(wire.HeaderEpoch, "3")
 			nm.Header.Set(wire.HeaderRevision, strconv.FormatUint(m.rev, 10))
+		case m.rev != 0:
+			nm.Header.Set(wire.HeaderProvenance, wire.ProvenanceValue(subjects.Partition(m.device, lay.Partitions), 3, m.rev))
 		}
 		nm.Header.Set("Tenant", m.tenant)
 		nm.Header.Set("Where", m.where)

@@ -6,27 +6,6 @@ import (
 	"github.com/kvmapper/kvmapper/subjects"
 )
 
-// parseUint parses a decimal number with no sign, as strconv.FormatUint writes it, without
-// allocating.
-func parseUint(s string) (uint64, bool) {
-	if s == "" || len(s) > 20 {
-		return 0, false
-	}
-	var n uint64
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c < '0' || c > '9' {
-			return 0, false
-		}
-		d := uint64(c - '0')
-		if n > (1<<64-1-d)/10 {
-			return 0, false
-		}
-		n = n*10 + d
-	}
-	return n, true
-}
-
 // devParser finds the {device} token of subjects of one template without allocating.
 type devParser struct {
 	toks []string // the template's tokens; placeholders as "{name}"

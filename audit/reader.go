@@ -337,10 +337,9 @@ func (r *reader) handle(ctx context.Context, m jetstream.Msg) (sseq, pending uin
 				Detail: fmt.Sprintf("%s:%d stored again (subject %s)", src.Stream, seq, subject)})
 		}
 	}
-	if ps := hdr.Get(wire.HeaderPartition); ps != "" {
-		p, okP := parseUint(ps)
-		e, okE := parseUint(hdr.Get(wire.HeaderEpoch))
-		if okP && okE && p < uint64(len(r.epochs)) {
+	if pv, ok := wire.ReadProvenance(hdr.Get); ok && pv.HasPartition && pv.Epoch != 0 {
+		p, e := uint64(pv.Partition), pv.Epoch
+		if p < uint64(len(r.epochs)) {
 			if prev := r.epochs[p]; e < prev && !r.epochsRestarted(int(p), ack.Time) {
 				if r.note(KindStaleEpoch) {
 					r.add(Finding{Kind: KindStaleEpoch, Device: device, Seq: seq, StreamSeq: sseq,

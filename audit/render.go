@@ -68,7 +68,7 @@ func (r *Report) WriteText(w io.Writer, names subjects.Names) error {
 		extra += fmt.Sprintf(" %d messages of %s were not checked against the value they were mapped with: %s.", r.MappingUnchecked, out, r.MappingOff)
 	case r.MappingUnchecked > 0:
 		extra += fmt.Sprintf(" %d messages of %s could not be checked against the value they were mapped with "+
-			"(no %s header, or a revision the groups bucket no longer holds).", r.MappingUnchecked, out, wire.HeaderRevision)
+			"(no revision in %s, or one the groups bucket no longer holds).", r.MappingUnchecked, out, wire.HeaderProvenance)
 	}
 	if r.OK() {
 		mapped := ""

@@ -47,8 +47,8 @@ var All = []Kind{Throughput, Latency, Mapping, TableScale, Failover, Direct}
 type Names struct {
 	subjects.Names
 	Partitions int
-	// NoProvenance runs the replica without the KVMapper-Partition, -Epoch and -Revision
-	// headers, to measure what they cost.
+	// NoProvenance runs the replica without the KVMapper-Prov header, to measure what it
+	// costs.
 	NoProvenance bool
 	// StreamReplicas is the replica count of the streams and buckets ([Config.StreamReplicas]).
 	StreamReplicas int

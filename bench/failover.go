@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os/exec"
 	"slices"
-	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -205,10 +204,8 @@ func (e *env) failover(ctx context.Context) (*FailoverResult, error) {
 	defer sub.Close()
 	s, err := sub.Subscribe("outgoing.>", func(m *nats.Msg) {
 		now := time.Now()
-		p, err1 := strconv.ParseUint(m.Header.Get(wire.HeaderPartition), 10, 64)
-		ep, err2 := strconv.ParseUint(m.Header.Get(wire.HeaderEpoch), 10, 64)
-		if err1 == nil && err2 == nil {
-			out.seen(p, ep, now)
+		if pv, ok := wire.ReadProvenance(m.Header.Get); ok && pv.HasPartition && pv.Epoch != 0 {
+			out.seen(uint64(pv.Partition), pv.Epoch, now)
 		}
 	})
 	if err != nil {

@@ -96,7 +96,7 @@ type Config struct {
 	// in its middle (SIGSTOP, a long pause) and resumed after its lease ran out reads the clock
 	// again before its next message, not 63 messages later. Default 50ms.
 	LeaseCheck time.Duration
-	// Provenance adds the KVMapper-Partition, -Epoch and -Revision headers to what is forwarded.
+	// Provenance adds the KVMapper-Prov header (partition, epoch, revision) to what is forwarded.
 	// They are off by default: they make every stored message larger, which costs about a third
 	// of the throughput (BenchmarkPipeline), and can make OUTGOING refuse a message within a
 	// hundred bytes of its max_msg_size that it would have stored as the device sent it, changing

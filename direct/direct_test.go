@@ -24,9 +24,7 @@ func TestSharedNames(t *testing.T) {
 		{wire.ReasonMalformedSubject, wire.ReasonMalformedSubject},
 		{wire.HeaderReason, wire.HeaderReason},
 		{wire.HeaderSubject, wire.HeaderSubject},
-		{wire.HeaderPartition, wire.HeaderPartition},
-		{wire.HeaderEpoch, wire.HeaderEpoch},
-		{wire.HeaderRevision, wire.HeaderRevision},
+		{wire.HeaderProvenance, wire.HeaderProvenance},
 		{wire.HeaderProbe, wire.HeaderProbe},
 		{string(wire.ReceiveMapping), string(wire.ReceiveMapping)},
 		{string(wire.ReceiveAll), string(wire.ReceiveAll)},
@@ -181,9 +179,7 @@ func TestHeadersAndPayloadPassThrough(t *testing.T) {
 				jetstream.MsgIDHeader: {"dev-7:1"}, jetstream.ExpectedStreamHeader: {"OUTGOING"},
 			}
 			if !noProv {
-				want[wire.HeaderPartition] = []string{strconv.Itoa(subjects.Partition("dev-7", partitions))}
-				want[wire.HeaderEpoch] = []string{"5"}
-				want[wire.HeaderRevision] = []string{"1"}
+				want[wire.HeaderProvenance] = []string{strconv.Itoa(subjects.Partition("dev-7", partitions)) + ".5.1"}
 			}
 			keys, wantKeys := slices.Sorted(maps.Keys(h)), slices.Sorted(maps.Keys(want))
 			if !slices.Equal(keys, wantKeys) {

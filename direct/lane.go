@@ -3,7 +3,6 @@ package direct
 import (
 	"context"
 	"errors"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -72,13 +71,11 @@ type lane struct {
 	markerSeen bool   // the marker came back: what was delivered before the announcement is forwarded
 	cut        bool   // recorded is full: the lane forwards nothing more
 
-	fields   subjects.Fields
-	buf      []byte
-	out      nats.Msg
-	partHdr  []string
-	epochHdr []string
-	rev      uint64
-	revHdr   []string
+	fields  subjects.Fields
+	buf     []byte
+	out     nats.Msg
+	rev     uint64
+	provHdr []string // the KVMapper-Prov value for rev
 }
 
 func newLane(p *Pool, a Assignment) *lane {
@@ -94,8 +91,6 @@ func newLane(p *Pool, a Assignment) *lane {
 		activated:     make(chan struct{}),
 		detached:      make(chan struct{}),
 		buf:           make([]byte, 0, 256),
-		partHdr:       []string{strconv.Itoa(a.Partition)},
-		epochHdr:      []string{strconv.FormatUint(a.Epoch, 10)},
 	}
 }
 
@@ -396,15 +391,13 @@ func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
 		}
 	}
 	if l.p.cfg.Provenance {
-		h[wire.HeaderPartition], h[wire.HeaderEpoch], h[wire.HeaderRevision] = l.partHdr, l.epochHdr, l.revision(rev)
+		h[wire.HeaderProvenance] = l.provenance(rev)
 	}
 	l.out = nats.Msg{Subject: subject, Reply: m.Reply, Header: h, Data: m.Data}
 	err := l.p.nc.PublishMsg(&l.out)
 	if errors.Is(err, nats.ErrMaxPayload) && l.p.cfg.Provenance {
-		// The device's message fitted; ours is larger by the provenance headers alone.
-		delete(h, wire.HeaderPartition)
-		delete(h, wire.HeaderEpoch)
-		delete(h, wire.HeaderRevision)
+		// The device's message fitted; ours is larger by the provenance header alone.
+		delete(h, wire.HeaderProvenance)
 		err = l.p.nc.PublishMsg(&l.out)
 	}
 	if err != nil {
@@ -431,12 +424,12 @@ func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
 	}
 }
 
-// revision returns the KVMapper-Revision header value of rev, reusing the last one.
-func (l *lane) revision(rev uint64) []string {
-	if l.revHdr == nil || rev != l.rev {
-		l.rev, l.revHdr = rev, []string{strconv.FormatUint(rev, 10)}
+// provenance returns the KVMapper-Prov header value for rev, reusing the last one.
+func (l *lane) provenance(rev uint64) []string {
+	if l.provHdr == nil || rev != l.rev {
+		l.rev, l.provHdr = rev, []string{wire.ProvenanceValue(l.a.Partition, l.a.Epoch, rev)}
 	}
-	return l.revHdr
+	return l.provHdr
 }
 
 // recentReply is one reply subject a serving lane forwarded, and when.

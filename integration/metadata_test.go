@@ -55,7 +55,7 @@ func (e *env) putRev(device, value string) uint64 {
 // checkVersions checks every message of OUTGOING for the devices of revs (revs[d][k] is the
 // revision of version k of d's value): each device's messages are numbered 0, 1, 2… in order;
 // each one's subject and both headers are those of one version k, all fields alike, with the
-// revision of that version in KVMapper-Revision; and k never goes back, so that each change of
+// revision of that version in KVMapper-Prov; and k never goes back, so that each change of
 // value took effect at one point in the device's stream. It returns, per device, the messages
 // mapped with each version.
 func checkVersions(t *testing.T, msgs []jetstream.Msg, revs map[string][]uint64) map[string][]int {
@@ -83,7 +83,7 @@ func checkVersions(t *testing.T, msgs []jetstream.Msg, revs map[string][]uint64)
 		}
 		h := m.Headers()
 		want := fmt.Sprintf("outgoing.r%d.g%d.%s.evt Tenant=t%d Site=r%d/s%d rev=%d", k, k, dev, k, k, k, revs[dev][k])
-		got := fmt.Sprintf("%s Tenant=%s Site=%s rev=%s", m.Subject(), h.Get("Tenant"), h.Get("Site"), h.Get(wire.HeaderRevision))
+		got := fmt.Sprintf("%s Tenant=%s Site=%s rev=%s", m.Subject(), h.Get("Tenant"), h.Get("Site"), revisionOf(h))
 		if got != want {
 			t.Fatalf("message %d of %s: %s, want %s: fields of two values mixed, or the wrong revision", n, dev, got, want)
 		}
@@ -254,7 +254,7 @@ func TestMetadataRoutingUnderLoad(t *testing.T) {
 		for i, rm := range replayed {
 			dev, _, _ := strings.Cut(string(rm.Data()), ":")
 			h := rm.Headers()
-			got := fmt.Sprintf("%s Tenant=%s Site=%s rev=%s", rm.Subject(), h.Get("Tenant"), h.Get("Site"), h.Get(wire.HeaderRevision))
+			got := fmt.Sprintf("%s Tenant=%s Site=%s rev=%s", rm.Subject(), h.Get("Tenant"), h.Get("Site"), revisionOf(h))
 			want := fmt.Sprintf("replay.r1.g1.%s.evt Tenant=t1 Site=r1/s1 rev=%d", dev, revs[dev][1])
 			if got != want {
 				t.Fatalf("replayed message %d (%s): %s, want %s", i, rm.Data(), got, want)
@@ -366,7 +366,7 @@ func TestMetadataBadValues(t *testing.T) {
 		msgs := e.readStream("OUTGOING", 5, 30*time.Second)
 		for i, m := range msgs[3:] {
 			h := m.Headers()
-			got := fmt.Sprintf("%s %s Tenant=%s Site=%s rev=%s", m.Data(), m.Subject(), h.Get("Tenant"), h.Get("Site"), h.Get(wire.HeaderRevision))
+			got := fmt.Sprintf("%s %s Tenant=%s Site=%s rev=%s", m.Data(), m.Subject(), h.Get("Tenant"), h.Get("Site"), revisionOf(h))
 			if want := fmt.Sprintf("dev-dot:%d outgoing.r1.g1.dev-dot.evt Tenant=t1 Site=r1/s1 rev=%d", 3+i, rev); got != want {
 				t.Errorf("after the fix: %s, want %s", got, want)
 			}
@@ -408,7 +408,7 @@ func TestMetadataDirectMode(t *testing.T) {
 	for _, d := range devs {
 		revs[d] = []uint64{e.putRev(d, metaValue(0))}
 	}
-	e.startDirect("a", wire.ReceiveMapping, append([]string{"--direct-provenance"}, metaFlags...)...) // KVMapper-Revision
+	e.startDirect("a", wire.ReceiveMapping, append([]string{"--direct-provenance"}, metaFlags...)...) // KVMapper-Prov, with the revision
 	e.waitServed("a")
 	d := e.startDevices(devs, false)
 	const versions = 3
@@ -458,4 +458,12 @@ func TestMetadataDirectMode(t *testing.T) {
 		t.Errorf("dead letter of dev-bad: reason %q, field %q, error %q; want %s, site, a why",
 			h.Get(wire.HeaderReason), h.Get(wire.HeaderField), h.Get(wire.HeaderError), wire.ReasonMissingField)
 	}
+}
+
+// revisionOf returns the revision a message's provenance names, "" when none.
+func revisionOf(h nats.Header) string {
+	if pv, _ := wire.ReadProvenance(h.Get); pv.Revision != 0 {
+		return strconv.FormatUint(pv.Revision, 10)
+	}
+	return ""
 }

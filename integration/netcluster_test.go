@@ -444,9 +444,9 @@ func (nc *netCluster) handoffs(ps []int, before []string, at time.Time) []handof
 		}
 	}
 	for _, m := range nc.env.read(nc.names.Outgoing) {
-		p, err := strconv.Atoi(m.Headers().Get(wire.HeaderPartition))
-		h := hs[p]
-		if err != nil || h == nil {
+		pv, ok := wire.ReadProvenance(m.Headers().Get)
+		h := hs[pv.Partition]
+		if !ok || !pv.HasPartition || h == nil {
 			continue
 		}
 		md, err := m.Metadata()
@@ -454,7 +454,7 @@ func (nc *netCluster) handoffs(ps []int, before []string, at time.Time) []handof
 			nc.t.Fatal(err)
 		}
 		at1 := md.Timestamp
-		if m.Headers().Get(wire.HeaderEpoch) == h.epoch {
+		if strconv.FormatUint(pv.Epoch, 10) == h.epoch {
 			h.lastOld = at1
 			if !h.firstNew.IsZero() || (!h.fenced.IsZero() && at1.After(h.fenced)) {
 				h.stale++

@@ -107,13 +107,19 @@ func TestReplayEqualsTheLiveMapper(t *testing.T) {
 			if gh.Get(wire.HeaderReplay) != l.ID {
 				t.Errorf("%s: %s %q, want %q", id, wire.HeaderReplay, gh.Get(wire.HeaderReplay), l.ID)
 			}
+			// The same partition and revision; a replay holds no lease, so no epoch.
+			wp, _ := wire.ReadProvenance(wh.Get)
+			gp, _ := wire.ReadProvenance(gh.Get)
+			if gp.Partition != wp.Partition || gp.Revision != wp.Revision || gp.Epoch != 0 {
+				t.Errorf("%s: replayed %s %q, live %q: want the same partition and revision, and no epoch", id, wire.HeaderProvenance, gh.Get(wire.HeaderProvenance), wh.Get(wire.HeaderProvenance))
+			}
 			for _, h := range []nats.Header{wh, gh} {
 				h.Del(nats.MsgIdHdr)
 				h.Del(wire.HeaderReplay)
-				h.Del(wire.HeaderEpoch)
+				h.Del(wire.HeaderProvenance)
 			}
 			if fmt.Sprint(wh) != fmt.Sprint(gh) {
-				t.Fatalf("%s: replayed headers %v, live %v (but Nats-Msg-Id, epoch and replay id)", id, gh, wh)
+				t.Fatalf("%s: replayed headers %v, live %v (but Nats-Msg-Id, provenance and replay id)", id, gh, wh)
 			}
 		}
 	})

@@ -134,8 +134,8 @@ func (w *wireTap) since(i int) []*nats.Msg {
 // provenance reads a publish's partition, epoch and INCOMING sequence from its headers.
 func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, seq uint64) {
 	t.Helper()
-	p, err1 := strconv.Atoi(hdr.Get(wire.HeaderPartition))
-	epoch, err2 := strconv.ParseUint(hdr.Get(wire.HeaderEpoch), 10, 64)
+	pv, ok := wire.ReadProvenance(hdr.Get)
+	p, epoch = pv.Partition, pv.Epoch
 	// Nats-Msg-Id is INCOMING:<incarnation>:<seq> (wire.MsgIDPrefix), or INCOMING-<p>:… in
 	// the partition-streams layout.
 	id := hdr.Get(nats.MsgIdHdr)
@@ -145,7 +145,7 @@ func provenance(t *testing.T, subject string, hdr nats.Header) (p int, epoch, se
 	if !strings.HasPrefix(id, stream) {
 		stream = "INCOMING-" + strconv.Itoa(p) + ":"
 	}
-	if err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(id, stream) || i < len(stream) {
+	if !ok || !pv.HasPartition || epoch == 0 || err3 != nil || !strings.HasPrefix(id, stream) || i < len(stream) {
 		t.Fatalf("publish on %s: headers %v lack provenance or a Nats-Msg-Id INCOMING[-<p>]:<incarnation>:<seq>", subject, hdr)
 	}
 	return p, epoch, seq

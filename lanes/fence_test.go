@@ -13,7 +13,6 @@ import (
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/lanes"
 	"github.com/kvmapper/kvmapper/subjects"
-	"github.com/kvmapper/kvmapper/wire"
 )
 
 // A new owner fences the partition by writing its checkpoint back. The old lane, whose lease
@@ -30,13 +29,13 @@ func TestFencedByCheckpointWrite(t *testing.T) {
 		seen := make(chan string, 1000)
 		watcher := f.srv.Connect(t)
 		if _, err := watcher.Subscribe("outgoing.>", func(m *nats.Msg) {
-			if m.Header.Get(wire.HeaderEpoch) == "1" {
+			if epochOf(m.Header) == "1" {
 				mu.Lock()
 				old = append(old, m.Header.Get(nats.MsgIdHdr))
 				mu.Unlock()
 			}
 			select {
-			case seen <- m.Header.Get(wire.HeaderEpoch) + " " + m.Header.Get(nats.MsgIdHdr):
+			case seen <- epochOf(m.Header) + " " + m.Header.Get(nats.MsgIdHdr):
 			default: // the test stopped reading: never block the connection's dispatcher
 			}
 		}); err != nil {

@@ -226,7 +226,7 @@ func TestFencedStreamNeverWrittenInFastBatches(t *testing.T) {
 	for _, m := range f.readFirst(f.names.Outgoing, f.count(f.names.Outgoing)) {
 		if md, _ := m.Metadata(); md.Sequence.Stream > at {
 			t.Errorf("OUTGOING stored %q (epoch %s) at %d, after the successor's record at %d: a fenced stream was written unchecked",
-				m.Data(), m.Headers().Get(wire.HeaderEpoch), md.Sequence.Stream, at)
+				m.Data(), epochOf(m.Headers()), md.Sequence.Stream, at)
 		}
 	}
 	if runErr != nil && !errors.Is(runErr, lanes.ErrFenced) {
@@ -351,7 +351,7 @@ func TestRecreatedOutgoingRefusesADeposedOwner(t *testing.T) {
 		return errors.New("the deposed lane neither stopped nor stored anything")
 	})
 	for _, m := range f.readFirst(f.names.Outgoing, f.count(f.names.Outgoing)) {
-		if m.Headers().Get(wire.HeaderEpoch) == "10" {
+		if epochOf(m.Headers()) == "10" {
 			t.Errorf("the re-created OUTGOING stored %q of the deposed epoch 10 after its successor's record", m.Data())
 		}
 	}

@@ -446,3 +446,11 @@ func (f *fixture) waitOrDump(pool *lanes.Pool, stream string, want uint64, timeo
 		<-timer.C
 	}
 }
+
+// epochOf returns the lease epoch a message's provenance names, "" when none.
+func epochOf(h nats.Header) string {
+	if pv, _ := wire.ReadProvenance(h.Get); pv.Epoch != 0 {
+		return strconv.FormatUint(pv.Epoch, 10)
+	}
+	return ""
+}

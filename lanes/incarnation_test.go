@@ -91,10 +91,11 @@ func (f *fixture) idPrefix(stream string) string {
 func (f *fixture) checkIDs(msgs []nats.Header) {
 	f.t.Helper()
 	for i, h := range msgs {
-		p, err := strconv.Atoi(h.Get(wire.HeaderPartition))
-		if err != nil {
-			f.t.Fatalf("message %d: no partition header: %v", i, h)
+		pv, ok := wire.ReadProvenance(h.Get)
+		if !ok || !pv.HasPartition {
+			f.t.Fatalf("message %d: no partition in its provenance: %v", i, h)
 		}
+		p := pv.Partition
 		stream, _ := f.names.IncomingStream(f.lay, p)
 		if id, prefix := h.Get(nats.MsgIdHdr), f.idPrefix(stream); !strings.HasPrefix(id, prefix) {
 			f.t.Fatalf("message %d after INCOMING was re-created: Nats-Msg-Id %q, want prefix %q", i, id, prefix)

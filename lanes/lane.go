@@ -28,9 +28,9 @@ type entry struct {
 	src      jetstream.Msg // the consumed message, to rebuild a dead letter from
 	m        nats.Msg      // the message itself, allocated with the entry
 	hdr      nats.Header   // the entry's own header map, cleared and refilled for every message
-	text     []byte        // the bytes of subject, Nats-Msg-Id and revision (see [entry.since])
+	text     []byte        // the bytes of subject, Nats-Msg-Id and provenance (see [entry.since])
 	id       [1]string     // backing of the Nats-Msg-Id header value
-	rev      [1]string     // backing of the KVMapper-Revision header value
+	prov     [1]string     // backing of the KVMapper-Prov header value of a mapped message
 	hvals    []string      // backing of the output headers' values, one each (see [subjects.Layout.WithHeaders])
 	reason   string        // non-empty when msg is a dead letter
 	device   string        // the device, for the reorder check (a substring of the INCOMING subject)
@@ -145,25 +145,27 @@ type lane struct {
 	fields   subjects.Fields
 	buf      []byte
 	idPrefix string
-	partHdr  []string
-	epochHdr []string
+	// provPrefix is "<partition>.<epoch>.", the start of a mapped message's KVMapper-Prov
+	// (the revision follows); provDead is a dead letter's or a park's whole value.
+	provPrefix string
+	provDead   []string
 }
 
 func newLane(p *Pool, a Assignment) *lane {
 	names := subjects.Names{Incoming: p.cfg.Incoming, StreamLayout: p.cfg.StreamLayout}
 	stream, filter := names.IncomingStream(p.cfg.Layout, a.Partition)
 	return &lane{
-		p:        p,
-		a:        a,
-		stream:   stream,
-		filter:   filter,
-		log:      p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
-		key:      wire.CheckpointKey(a.Partition),
-		buf:      make([]byte, 0, 256),
-		clock:    leaseClock{valid: a.Valid},
-		partHdr:  []string{strconv.Itoa(a.Partition)},
-		epochHdr: []string{strconv.FormatUint(a.Epoch, 10)},
-		park:     newParking(&p.cfg.Park),
+		p:          p,
+		a:          a,
+		stream:     stream,
+		filter:     filter,
+		log:        p.log.With().Int("partition", a.Partition).Uint64("epoch", a.Epoch).Logger(),
+		key:        wire.CheckpointKey(a.Partition),
+		buf:        make([]byte, 0, 256),
+		clock:      leaseClock{valid: a.Valid},
+		provPrefix: wire.ProvenanceValue(a.Partition, a.Epoch, 0) + ".",
+		provDead:   []string{wire.ProvenanceValue(a.Partition, a.Epoch, 0)},
+		park:       newParking(&p.cfg.Park),
 	}
 }
 
@@ -572,12 +574,10 @@ func (l *lane) build(e *entry, d delivery) {
 		}
 	}
 	if !l.p.cfg.NoProvenance {
-		hdr[wire.HeaderPartition] = l.partHdr
-		hdr[wire.HeaderEpoch] = l.epochHdr
 		from = len(e.text)
-		e.text = strconv.AppendUint(e.text, m.Revision, 10)
-		e.rev[0] = e.since(from)
-		hdr[wire.HeaderRevision] = e.rev[:]
+		e.text = strconv.AppendUint(append(e.text, l.provPrefix...), m.Revision, 10)
+		e.prov[0] = e.since(from)
+		hdr[wire.HeaderProvenance] = e.prov[:]
 	}
 }
 
@@ -588,9 +588,9 @@ const expectedPrefix = "Nats-Expected-"
 // an output stream act on other messages ([wire.ActsOnStream]: a device's Nats-Rollup), a
 // device's own Nats-Msg-Id is kept under [wire.HeaderOrigMsgID], and Nats-Msg-Id becomes
 // "<INCOMING>:<sequence>", the same on every owner and every retry, so OUTGOING drops anything
-// sent twice. A header named as one of the
-// layout's output headers, in any case, is left out: the mapping sets it, and a device cannot
-// pass one off. The consumed message's own map is left as it is; its values are shared, never
+// sent twice. A header named as one of the layout's output headers, in any case, or as one of
+// kvmapper's provenance headers ([wire.IsProvenance]) is left out: kvmapper sets them, and a
+// device cannot pass one off. The consumed message's own map is left as it is; its values are shared, never
 // changed.
 func (l *lane) headers(e *entry) nats.Header {
 	hdr := e.hdr
@@ -603,7 +603,7 @@ func (l *lane) headers(e *entry) nats.Header {
 		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) {
 			continue
 		}
-		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) {
+		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) || wire.IsProvenance(k) {
 			continue
 		}
 		hdr[k] = v
@@ -624,8 +624,7 @@ func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
 		hdr[wire.HeaderError] = []string{why}
 	}
 	if !l.p.cfg.NoProvenance {
-		hdr[wire.HeaderPartition] = l.partHdr
-		hdr[wire.HeaderEpoch] = l.epochHdr
+		hdr[wire.HeaderProvenance] = l.provDead
 	}
 	return hdr
 }
@@ -634,7 +633,6 @@ func (l *lane) deadHeaders(hdr nats.Header, reason, why string) nats.Header {
 func (l *lane) redirect(e *entry, reason, why string) {
 	lay := l.p.cfg.Layout
 	hdr := e.msg().Header
-	delete(hdr, wire.HeaderRevision)
 	subject := lay.MalformedSubject()
 	if err := lay.Parse(e.src.Subject(), &l.fields); err == nil {
 		subject = string(lay.AppendUnmapped(l.buf[:0], &l.fields))

@@ -36,6 +36,9 @@ func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
 		hdr.Set("X-Trace", "abc")
 		hdr.Add("X-Multi", "one")
 		hdr.Add("X-Multi", "two")
+		// A device cannot pass provenance off, in either spelling.
+		hdr.Set(wire.HeaderProvenance, "1.2.3")
+		hdr.Set(wire.HeaderEpoch, "999")
 		payload := []byte("\x00binary\xffpayload with spaces\n")
 		if _, err := f.js.PublishMsg(context.Background(), &nats.Msg{Subject: "incoming.dev-42.temp", Header: hdr, Data: payload}); err != nil {
 			t.Fatal(err)
@@ -54,9 +57,10 @@ func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
 			"X-Multi":               {"one", "two"},
 			"Nats-Msg-Id":           {f.msgID("dev-42", 1)},
 			wire.HeaderOrigMsgID:    {"device-own-id"},
-			wire.HeaderPartition:    {strconv.Itoa(p)},
-			wire.HeaderEpoch:        {strconv.Itoa(100 + p)},
-			wire.HeaderRevision:     {"7"},
+			wire.HeaderProvenance:   {fmt.Sprintf("%d.%d.7", p, 100+p)},
+			wire.HeaderPartition:    nil,
+			wire.HeaderEpoch:        nil,
+			wire.HeaderRevision:     nil,
 			"Nats-Expected-Stream":  nil,
 			"Nats-Expected-Last-Sq": nil,
 		} {
@@ -99,7 +103,7 @@ func TestNoProvenance(t *testing.T) {
 	f.run(lanes.Config{NoProvenance: true}, nil)
 	f.publish([]string{"dev-1"}, 1, nil)
 	h := f.read("OUTGOING", 1)[0].Headers()
-	for _, k := range []string{wire.HeaderPartition, wire.HeaderEpoch, wire.HeaderRevision} {
+	for _, k := range []string{wire.HeaderProvenance, wire.HeaderPartition, wire.HeaderEpoch, wire.HeaderRevision} {
 		if v := h.Get(k); v != "" {
 			t.Errorf("header %s = %q with NoProvenance", k, v)
 		}

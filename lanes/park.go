@@ -336,10 +336,9 @@ func (l *lane) parkEntry(e *entry, d delivery, hdr nats.Header) {
 	s := l.park
 	e.parked = true
 	hdr[wire.HeaderSubject] = []string{d.msg.Subject()}
-	delete(hdr, wire.HeaderRevision)
+	delete(hdr, wire.HeaderProvenance)
 	if !l.p.cfg.NoProvenance {
-		hdr[wire.HeaderPartition] = l.partHdr
-		hdr[wire.HeaderEpoch] = l.epochHdr
+		hdr[wire.HeaderProvenance] = l.provDead
 	}
 	dev := s.devices[e.device]
 	if dev == nil {

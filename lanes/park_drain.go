@@ -225,18 +225,20 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 	}
 	e.reason = reason
 	data := e.src.Data()
+	// A park stored before KVMapper-Prov carries the three headers it replaced.
+	delete(hdr, wire.HeaderPartition)
+	delete(hdr, wire.HeaderEpoch)
+	delete(hdr, wire.HeaderRevision)
 	if reason == "" {
 		delete(hdr, wire.HeaderSubject)
 		for i := range lay.NumHeaders() {
 			hdr[lay.HeaderName(i)] = []string{string(lay.AppendHeader(l.buf[:0], i, &l.fields, mp.Values))}
 		}
 		if !l.p.cfg.NoProvenance {
-			hdr[wire.HeaderPartition] = l.partHdr
-			hdr[wire.HeaderEpoch] = l.epochHdr
-			hdr[wire.HeaderRevision] = []string{strconv.FormatUint(mp.Revision, 10)}
+			hdr[wire.HeaderProvenance] = []string{l.provPrefix + strconv.FormatUint(mp.Revision, 10)}
 		}
 	} else {
-		delete(hdr, wire.HeaderRevision)
+		delete(hdr, wire.HeaderProvenance)
 		hdr[wire.HeaderSubject] = []string{stored}
 		l.deadHeaders(hdr, reason, why)
 		if mp.Field() != "" && reason == mp.Reason() {

@@ -139,7 +139,7 @@ type Config struct {
 	// logs what it waits for and shows it in [PartitionStats.Waiting] (see wait.go); a consumer
 	// that delivers nothing is replaced then. Default 3s.
 	WaitWarnAfter time.Duration
-	// NoProvenance turns off the KVMapper-Partition, -Epoch and -Revision headers.
+	// NoProvenance turns off the KVMapper-Prov header (partition, epoch, revision).
 	NoProvenance bool
 	// Park holds devices without a mapping in the PARKED stream until they get one (see
 	// [ParkConfig]); its zero value turns parking off.

@@ -107,7 +107,7 @@ type Config struct {
 	// Progress, if set, is called every ReportInterval and once at the end, on Run's goroutine;
 	// it must not block for long.
 	Progress func(Progress)
-	// NoProvenance turns off the KVMapper-Partition, -Revision and -Replay headers.
+	// NoProvenance turns off the KVMapper-Prov (partition, revision) and KVMapper-Replay headers.
 	NoProvenance bool
 	// Logger receives structured logs. Default: none.
 	Logger zerolog.Logger

@@ -66,8 +66,7 @@ func (r *Replay) build(e *entry, src source) bool {
 	}
 	e.target = r.tg.into
 	if !r.cfg.NoProvenance {
-		hdr[wire.HeaderPartition] = []string{strconv.Itoa(p)}
-		hdr[wire.HeaderRevision] = []string{strconv.FormatUint(ent.Revision, 10)}
+		hdr[wire.HeaderProvenance] = []string{wire.ProvenanceValue(p, 0, ent.Revision)}
 		hdr[wire.HeaderReplay] = []string{r.id}
 	}
 	return true
@@ -83,7 +82,7 @@ func (r *Replay) headers(e *entry, src source) nats.Header {
 		hdr = make(nats.Header, 4)
 	}
 	for k := range hdr {
-		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) || r.cfg.Layout.IsHeader(k) || wire.ActsOnStream(k) {
+		if len(k) >= len(expectedPrefix) && strings.EqualFold(k[:len(expectedPrefix)], expectedPrefix) || r.cfg.Layout.IsHeader(k) || wire.ActsOnStream(k) || wire.IsProvenance(k) {
 			delete(hdr, k)
 		}
 	}
@@ -103,7 +102,7 @@ func (r *Replay) deadHeaders(hdr nats.Header, reason, why string, p int) {
 	}
 	if !r.cfg.NoProvenance {
 		if p >= 0 {
-			hdr[wire.HeaderPartition] = []string{strconv.Itoa(p)}
+			hdr[wire.HeaderProvenance] = []string{wire.ProvenanceValue(p, 0, 0)}
 		}
 		hdr[wire.HeaderReplay] = []string{r.id}
 	}
@@ -113,7 +112,7 @@ func (r *Replay) deadHeaders(hdr nats.Header, reason, why string, p int) {
 func (r *Replay) redirect(e *entry, reason, why string) {
 	lay := r.cfg.Layout
 	hdr := e.msg.Header
-	delete(hdr, wire.HeaderRevision)
+	delete(hdr, wire.HeaderProvenance)
 	subject, p := lay.MalformedSubject(), -1
 	if err := lay.Parse(e.src.Subject(), &r.fields); err == nil {
 		subject, p = string(lay.AppendUnmapped(r.buf[:0], &r.fields)), r.fields.Partition()

@@ -61,11 +61,12 @@ func TestReplayMapsARange(t *testing.T) {
 				t.Fatalf("message %q: Nats-Msg-Id %q, want %q", m.Data(), got, want)
 			}
 			dev, _, _ := strings.Cut(string(m.Data()), ":")
-			if got, want := h.Get(wire.HeaderPartition), fmt.Sprint(subjects.Partition(dev, 16)); got != want {
-				t.Errorf("message %q: %s %q, want %q", m.Data(), wire.HeaderPartition, got, want)
+			pv, _ := wire.ReadProvenance(h.Get)
+			if !pv.HasPartition || pv.Partition != subjects.Partition(dev, 16) {
+				t.Errorf("message %q: %s %q, want partition %d", m.Data(), wire.HeaderProvenance, h.Get(wire.HeaderProvenance), subjects.Partition(dev, 16))
 			}
-			if h.Get(wire.HeaderReplay) != s.ID || h.Get(wire.HeaderEpoch) != "" {
-				t.Errorf("message %q: %s %q, %s %q; want the replay's id and no epoch", m.Data(), wire.HeaderReplay, h.Get(wire.HeaderReplay), wire.HeaderEpoch, h.Get(wire.HeaderEpoch))
+			if h.Get(wire.HeaderReplay) != s.ID || pv.Epoch != 0 {
+				t.Errorf("message %q: %s %q, %s %q; want the replay's id and no epoch", m.Data(), wire.HeaderReplay, h.Get(wire.HeaderReplay), wire.HeaderProvenance, h.Get(wire.HeaderProvenance))
 			}
 			switch dev {
 			case "nomap":
@@ -73,12 +74,12 @@ func TestReplayMapsARange(t *testing.T) {
 					t.Errorf("message %q: reason %q, want %s", m.Data(), h.Get(wire.HeaderReason), wire.ReasonNoMapping)
 				}
 			case "bad":
-				if h.Get(wire.HeaderReason) != wire.ReasonInvalidGroup || h.Get(wire.HeaderRevision) != "" {
-					t.Errorf("message %q: reason %q, revision %q; want %s and none (rev %d is invalid)", m.Data(), h.Get(wire.HeaderReason), h.Get(wire.HeaderRevision), wire.ReasonInvalidGroup, revBad)
+				if h.Get(wire.HeaderReason) != wire.ReasonInvalidGroup || pv.Revision != 0 {
+					t.Errorf("message %q: reason %q, provenance %q; want %s and no revision (rev %d is invalid)", m.Data(), h.Get(wire.HeaderReason), h.Get(wire.HeaderProvenance), wire.ReasonInvalidGroup, revBad)
 				}
 			default:
-				if h.Get(wire.HeaderRevision) == "" || h.Get(wire.HeaderReason) != "" {
-					t.Errorf("message %q: revision %q, reason %q; want the mapping's revision and no reason", m.Data(), h.Get(wire.HeaderRevision), h.Get(wire.HeaderReason))
+				if pv.Revision == 0 || h.Get(wire.HeaderReason) != "" {
+					t.Errorf("message %q: provenance %q, reason %q; want the mapping's revision and no reason", m.Data(), h.Get(wire.HeaderProvenance), h.Get(wire.HeaderReason))
 				}
 			}
 		}

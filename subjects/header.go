@@ -144,7 +144,7 @@ func (l *Layout) WithHeaders(specs []string) (*Layout, error) {
 		}
 		for _, name := range h.names {
 			if name == partition {
-				return nil, fmt.Errorf("%w: header %q may not use {partition}: the KVMapper-Partition header carries it", ErrInvalidTemplate, spec)
+				return nil, fmt.Errorf("%w: header %q may not use {partition}: the KVMapper-Prov header carries it", ErrInvalidTemplate, spec)
 			}
 		}
 		c.headers = append(c.headers, h)

@@ -139,7 +139,7 @@ func (l *Layout) checkOut() error {
 		return fmt.Errorf("%w: out %q must contain {device}, e.g. outgoing.{group}.{device}.{event}", ErrInvalidTemplate, t)
 	}
 	if t.has(partition) {
-		return fmt.Errorf("%w: out %q may not contain {partition}: the KVMapper-Partition header carries it", ErrInvalidTemplate, t)
+		return fmt.Errorf("%w: out %q may not contain {partition}: the KVMapper-Prov header carries it", ErrInvalidTemplate, t)
 	}
 	return nil
 }

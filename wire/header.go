@@ -7,9 +7,9 @@ const (
 	HeaderReason    = "KVMapper-Reason"      // why a message went to UNMAPPED (see [Reasons])
 	HeaderError     = "KVMapper-Error"       // the server's words, when a publish was refused
 	HeaderSubject   = "KVMapper-Subject"     // on a dead letter: the subject the message was stored or arrived on
-	HeaderPartition = "KVMapper-Partition"   // provenance: the partition the message came through
-	HeaderEpoch     = "KVMapper-Epoch"       // provenance: the owner's lease epoch
-	HeaderRevision  = "KVMapper-Revision"    // provenance: KV revision of the mapping used
+	HeaderPartition = "KVMapper-Partition"   // provenance until 2026-12-07: the partition the message came through (now in [HeaderProvenance])
+	HeaderEpoch     = "KVMapper-Epoch"       // provenance until 2026-12-07: the owner's lease epoch (now in [HeaderProvenance])
+	HeaderRevision  = "KVMapper-Revision"    // provenance until 2026-12-07: KV revision of the mapping used (now in [HeaderProvenance])
 	HeaderOrigMsgID = "KVMapper-Orig-Msg-Id" // a Nats-Msg-Id the device set, kept under another name
 	HeaderField     = "KVMapper-Field"       // on a dead letter of a bad value: the field of the device's value at fault
 	// HeaderReplay names, on every message a replay publishes (unless provenance is off), the

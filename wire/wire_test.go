@@ -16,6 +16,7 @@ func TestWireNames(t *testing.T) {
 		{wire.HeaderReason, "KVMapper-Reason"},
 		{wire.HeaderError, "KVMapper-Error"},
 		{wire.HeaderSubject, "KVMapper-Subject"},
+		{wire.HeaderProvenance, "KVMapper-Prov"},
 		{wire.HeaderPartition, "KVMapper-Partition"},
 		{wire.HeaderEpoch, "KVMapper-Epoch"},
 		{wire.HeaderRevision, "KVMapper-Revision"},
@@ -239,6 +240,52 @@ func TestMemberValue(t *testing.T) {
 		})
 	}
 }
+
+// TestProvenance pins KVMapper-Prov's format, each field left out as it does not apply, and
+// reads the three headers kvmapper wrote before it on messages stored then.
+func TestProvenance(t *testing.T) {
+	for _, tc := range []struct {
+		p        int
+		e, r     uint64
+		want     string
+		wantBack wire.Provenance
+	}{
+		{3, 17, 10007, "3.17.10007", wire.Provenance{Partition: 3, HasPartition: true, Epoch: 17, Revision: 10007}},
+		{3, 17, 0, "3.17", wire.Provenance{Partition: 3, HasPartition: true, Epoch: 17}},     // a dead letter
+		{0, 0, 42, "0..42", wire.Provenance{Partition: 0, HasPartition: true, Revision: 42}}, // a replayed message
+		{15, 0, 0, "15", wire.Provenance{Partition: 15, HasPartition: true}},                 // a replayed dead letter
+	} {
+		if got := wire.ProvenanceValue(tc.p, tc.e, tc.r); got != tc.want {
+			t.Errorf("ProvenanceValue(%d, %d, %d) = %q, want %q", tc.p, tc.e, tc.r, got, tc.want)
+		}
+		if got, ok := wire.ReadProvenance(headers{wire.HeaderProvenance: tc.want}.get); !ok || got != tc.wantBack {
+			t.Errorf("ReadProvenance(%q) = %+v, %v, want %+v", tc.want, got, ok, tc.wantBack)
+		}
+	}
+	for _, bad := range []string{"x", "3.x", "3.1.y", "-1.2.3", ""} {
+		if pv, ok := wire.ParseProvenance(bad); ok {
+			t.Errorf("ParseProvenance(%q) = %+v, want it refused", bad, pv)
+		}
+	}
+	legacy := headers{wire.HeaderPartition: "3", wire.HeaderEpoch: "17", wire.HeaderRevision: "10007"}
+	if got, ok := wire.ReadProvenance(legacy.get); !ok || got != (wire.Provenance{Partition: 3, HasPartition: true, Epoch: 17, Revision: 10007}) {
+		t.Errorf("ReadProvenance(the three old headers) = %+v, %v", got, ok)
+	}
+	if _, ok := wire.ReadProvenance(headers{}.get); ok {
+		t.Error("ReadProvenance(no headers) = true")
+	}
+	for name, want := range map[string]bool{"KVMapper-Prov": true, "KVMapper-Epoch": true, "KVMapper-Partition": true,
+		"KVMapper-Revision": true, "KVMapper-Reason": false, "X-Trace": false} {
+		if got := wire.IsProvenance(name); got != want {
+			t.Errorf("IsProvenance(%q) = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// headers is a message's headers, one value each, as nats.Header.Get reads them.
+type headers map[string]string
+
+func (h headers) get(k string) string { return h[k] }
 
 func TestActsOnStream(t *testing.T) {
 	for _, tc := range []struct {

@@ -38,7 +38,7 @@ func replayCommand() *cli.Command {
 			&cli.StringFlag{Name: "id", Usage: "name of the replay, its progress record and Msg-Ids (default: derived from the request)"},
 			&cli.DurationFlag{Name: "publish-timeout", Value: 5 * time.Second, Usage: "how long a publish waits for its acknowledgement before it is resent"},
 			&cli.DurationFlag{Name: "duplicate-window", Value: 2 * time.Minute, Usage: "duplicate window of a stream --create makes"},
-			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Partition, -Revision and -Replay headers"},
+			&cli.BoolFlag{Name: "no-provenance", Usage: "do not add the KVMapper-Prov and KVMapper-Replay headers"},
 		), in(catLimits,
 			&cli.Float64Flag{Name: "max-rate", Usage: "read at most this many messages per second (0: as fast as the target takes them)"},
 			&cli.IntFlag{Name: "max-in-flight", Value: 1024, Usage: "publishes awaiting acknowledgement"},
