@@ -162,6 +162,9 @@ func TestHeadersAndPayloadPassThrough(t *testing.T) {
 			m.Header.Add("X-Multi", "2")
 			m.Header.Set(jetstream.MsgIDHeader, "dev-7:1")
 			m.Header.Set(jetstream.ExpectedStreamHeader, "OUTGOING")
+			// A device cannot pass provenance off, in either spelling (left out below).
+			m.Header.Set(wire.HeaderProvenance, "1.2.3")
+			m.Header.Set(wire.HeaderEpoch, "999")
 			ack, err := f.js.PublishMsg(context.Background(), m)
 			if err != nil || ack.Stream != "OUTGOING" {
 				t.Fatalf("PublishMsg = %+v, %v; want OUTGOING's acknowledgement", ack, err)

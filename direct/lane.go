@@ -371,8 +371,9 @@ func (l *lane) forward(m *nats.Msg, subject string, mp subjects.Mapping) {
 	}
 	for k := range h {
 		// A device's Nats-Rollup would act on OUTGOING, which allows rollups for its fence
-		// records (wire.ActsOnStream); its other headers are its own to send.
-		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) {
+		// records (wire.ActsOnStream), and no device may pass provenance off; its other
+		// headers are its own to send.
+		if lay.NumHeaders() > 0 && lay.IsHeader(k) || wire.ActsOnStream(k) || wire.IsProvenance(k) {
 			delete(h, k)
 		}
 	}

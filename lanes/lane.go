@@ -163,10 +163,20 @@ func newLane(p *Pool, a Assignment) *lane {
 		key:        wire.CheckpointKey(a.Partition),
 		buf:        make([]byte, 0, 256),
 		clock:      leaseClock{valid: a.Valid},
-		provPrefix: wire.ProvenanceValue(a.Partition, a.Epoch, 0) + ".",
+		provPrefix: provPrefix(a),
 		provDead:   []string{wire.ProvenanceValue(a.Partition, a.Epoch, 0)},
 		park:       newParking(&p.cfg.Park),
 	}
+}
+
+// provPrefix is "<partition>.<epoch>.", the start of a mapped message's KVMapper-Prov; the epoch
+// is left empty when the assignment has none (wire.AppendProvenance).
+func provPrefix(a Assignment) string {
+	p := strconv.Itoa(a.Partition) + "."
+	if a.Epoch != 0 {
+		p += strconv.FormatUint(a.Epoch, 10)
+	}
+	return p + "."
 }
 
 // valid reads the lease clock. The lane's own goroutine asks l.clock instead, which reads it

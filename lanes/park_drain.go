@@ -225,7 +225,9 @@ func (l *lane) fillDrained(d *drain, e *drainEntry, rebuild bool) bool {
 	}
 	e.reason = reason
 	data := e.src.Data()
-	// A park stored before KVMapper-Prov carries the three headers it replaced.
+	// The park's provenance named the owner that parked it (and, stored before KVMapper-Prov,
+	// in the three headers it replaced): what is published now gets this lane's, or none.
+	delete(hdr, wire.HeaderProvenance)
 	delete(hdr, wire.HeaderPartition)
 	delete(hdr, wire.HeaderEpoch)
 	delete(hdr, wire.HeaderRevision)

@@ -508,3 +508,28 @@ func TestFencedLaneDoesNotWaitForItsPurge(t *testing.T) {
 		t.Fatal("Run has not returned 30 s after the fence")
 	}
 }
+
+// A park carries the provenance of the owner that parked it; what its release publishes carries
+// the releasing lane's, or none: here a replica with provenance off releases what one with it on
+// parked, and OUTGOING must hold no KVMapper-Prov.
+func TestReleaseCarriesNoParkersProvenance(t *testing.T) {
+	f := newFixture(t)
+	_, stop := f.run(f.parkOn(lanes.Config{}, 0, 0), nil)
+	f.publish([]string{"late"}, 20, nil)
+	f.waitParked("late", 20)
+	for _, m := range f.readFirst("PARKED", 20) {
+		if m.Headers().Get(wire.HeaderProvenance) == "" {
+			t.Fatalf("parked %q without KVMapper-Prov: the test proves nothing", m.Data())
+		}
+	}
+	stop()
+	f.groups.set("late", "g")
+	f.run(f.parkOn(lanes.Config{NoProvenance: true}, 0, 0), nil)
+	out := f.read("OUTGOING", 20)
+	checkOrder(t, out, []string{"late"}, 20, func(d string) string { return "outgoing.g." + d + ".evt" })
+	for _, m := range out {
+		if v := m.Headers().Get(wire.HeaderProvenance); v != "" {
+			t.Errorf("released %q with KVMapper-Prov %q, the parking owner's, from a lane with provenance off", m.Data(), v)
+		}
+	}
+}

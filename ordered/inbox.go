@@ -24,7 +24,7 @@ type Inbox struct {
 	// bid starts the Nats-Batch-Id of its writers' atomic batches: the uid's last 8 characters.
 	// The server stores the id with every message of the batch, and needs it unique only among
 	// the stream's open batches: the uid is a nuid, whose last characters count up within a
-	// process (by 33–333 at a time) from a random start in each, so two inboxes share them with
+	// process (by 33–332 at a time) from a random start in each, so two inboxes share them with
 	// a chance of one in 62^8 (2×10^14). 14 bytes less per stored message than the whole uid.
 	bid     string
 	c       chan *nats.Msg

@@ -71,20 +71,20 @@ func ParseProvenance(v string) (Provenance, bool) {
 	return pv, true
 }
 
-// IsProvenance reports whether name is one of kvmapper's provenance headers, current or legacy:
-// a device's message carrying one has it left out, so that no device can pass provenance off.
+// IsProvenance reports whether name is one of kvmapper's provenance headers, current or legacy,
+// in any case: a device's message carrying one has it left out, so that no device can pass
+// provenance off.
 func IsProvenance(name string) bool {
-	switch name {
-	case HeaderProvenance, HeaderPartition, HeaderEpoch, HeaderRevision:
-		return true
-	}
-	return false
+	return len(name) >= len("KVMapper-") && strings.EqualFold(name[:len("KVMapper-")], "KVMapper-") &&
+		(strings.EqualFold(name, HeaderProvenance) || strings.EqualFold(name, HeaderPartition) ||
+			strings.EqualFold(name, HeaderEpoch) || strings.EqualFold(name, HeaderRevision))
 }
 
 // ReadProvenance returns the provenance a message's headers carry, given get (nats.Header.Get):
-// [HeaderProvenance] when the message has it, else the three headers kvmapper wrote before it
-// ([HeaderPartition], [HeaderEpoch], [HeaderRevision]), each on its own. A field it cannot read
-// is left zero; false when the message has no provenance at all.
+// [HeaderProvenance] when the message has it (false when that is not a value [ParseProvenance]
+// reads), else the three headers kvmapper wrote before it ([HeaderPartition], [HeaderEpoch],
+// [HeaderRevision]), each on its own, a field it cannot read left zero; false when the message
+// has no provenance at all.
 func ReadProvenance(get func(string) string) (Provenance, bool) {
 	if v := get(HeaderProvenance); v != "" {
 		return ParseProvenance(v)

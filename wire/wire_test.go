@@ -274,8 +274,8 @@ func TestProvenance(t *testing.T) {
 	if _, ok := wire.ReadProvenance(headers{}.get); ok {
 		t.Error("ReadProvenance(no headers) = true")
 	}
-	for name, want := range map[string]bool{"KVMapper-Prov": true, "KVMapper-Epoch": true, "KVMapper-Partition": true,
-		"KVMapper-Revision": true, "KVMapper-Reason": false, "X-Trace": false} {
+	for name, want := range map[string]bool{"KVMapper-Prov": true, "kvmapper-prov": true, "KVMapper-Epoch": true, "KVMapper-Partition": true,
+		"KVMapper-Revision": true, "KVMAPPER-REVISION": true, "KVMapper-Reason": false, "X-Trace": false, "KVMapper-Provenance": false, "": false} {
 		if got := wire.IsProvenance(name); got != want {
 			t.Errorf("IsProvenance(%q) = %v, want %v", name, got, want)
 		}
