@@ -376,6 +376,10 @@ func TestKillFailover(t *testing.T) {
 
 	expired := map[string]time.Time{}
 	claimed := map[string]time.Time{}
+	// One deadline for them all: b's renewals keep the watch busy, so a wait per update would
+	// never end if a lease's expiry or claim were missed (a CI run hung here for 11 minutes).
+	timeout := time.NewTimer(ttl + 5*time.Second)
+	defer timeout.Stop()
 	for len(claimed) < len(lost) {
 		select {
 		case ent := <-w.Updates():
@@ -390,8 +394,8 @@ func TestKillFailover(t *testing.T) {
 					claimed[ent.Key()] = time.Now()
 				}
 			}
-		case <-time.After(ttl + 2*time.Second):
-			t.Fatalf("after %v: expired %v, claimed by b %v; want %d claimed", time.Since(killed), expired, claimed, len(lost))
+		case <-timeout.C:
+			t.Fatalf("after %v: expired %v, claimed by b %v; want a's %v each expired, then claimed by b", time.Since(killed), expired, claimed, lost)
 		}
 	}
 	var worst, worstGap time.Duration
