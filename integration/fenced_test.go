@@ -82,11 +82,16 @@ func TestFenceWriteFailureIsCountedAndReleased(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The lanes read the fenced streams again at a claim once 10 s have passed since the last
-	// read: overwrite a lease until a claim has read them and failed.
+	// read: overwrite a lease each time r0 has claimed it back, until a claim has read them and
+	// failed. Only then: overwritten at every poll, it left r0 no time to claim it under the race
+	// detector (a CI run saw no failure counted in 60 s).
 	const p = 5
 	natstest.Eventually(t, 60*time.Second, func() error {
 		if n := failures(); n >= 1 {
 			return nil
+		}
+		if l, err := e.ctl.Get(ctx, wire.LeaseKey(p)); err == nil && string(l.Value()) == "intruder" {
+			return fmt.Errorf("kvmapper_fence_write_failures_total still 0; lease.%d not yet claimed back", p)
 		}
 		if _, err := e.ctl.Put(ctx, wire.LeaseKey(p), []byte("intruder")); err != nil {
 			return err
