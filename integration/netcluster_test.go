@@ -551,31 +551,79 @@ func (nc *netCluster) place(leaders map[string]string) {
 func (nc *netCluster) electedAfter(stream string, at time.Time) time.Duration {
 	nc.t.Helper()
 	want := "JetStream cluster new stream leader for '$G > " + stream + "'"
-	var elected time.Duration
+	return nc.loggedAfter("a new leader of "+stream, func(line string) bool { return strings.HasSuffix(line, want) }, at)
+}
+
+// What a server logs when it learns of a new meta leader ("JetStream cluster new metadata
+// leader: s1/kvmlab"), or becomes it.
+const (
+	metaLeaderLine = "JetStream cluster new metadata leader: "
+	metaSelfLine   = "Self is new JetStream cluster metadata leader"
+)
+
+// metaLeader returns the meta leader the servers logged last.
+func (nc *netCluster) metaLeader() string {
+	nc.t.Helper()
+	var leader string
+	var last time.Time
+	for _, p := range nc.srvProc {
+		for _, line := range strings.Split(p.logs.String(), "\n") {
+			when, ok := logTime(line)
+			if !ok || when.Before(last) {
+				continue
+			}
+			if i := strings.Index(line, metaLeaderLine); i >= 0 {
+				last, leader = when, strings.Split(line[i+len(metaLeaderLine):], "/")[0]
+			} else if strings.Contains(line, metaSelfLine) {
+				last, leader = when, p.name
+			}
+		}
+	}
+	return leader
+}
+
+// metaElectedAfter returns how long after at a server first logged a new meta leader.
+func (nc *netCluster) metaElectedAfter(at time.Time) time.Duration {
+	nc.t.Helper()
+	return nc.loggedAfter("a new meta leader", func(line string) bool {
+		return strings.Contains(line, metaLeaderLine) || strings.Contains(line, metaSelfLine)
+	}, at)
+}
+
+// loggedAfter waits up to a minute until a server logs a line that match accepts (what it
+// waits for), after at, and returns how long after at the first such line was logged.
+func (nc *netCluster) loggedAfter(what string, match func(string) bool, at time.Time) time.Duration {
+	nc.t.Helper()
+	var first time.Duration
 	natstest.Eventually(nc.t, time.Minute, func() error {
-		elected = 0
+		first = 0
 		for _, p := range nc.srvProc {
 			for _, line := range strings.Split(p.logs.String(), "\n") {
-				if !strings.HasSuffix(line, want) {
+				if !match(line) {
 					continue
 				}
-				// "[pid] 2026/12/02 00:34:36.988917 [INF] …", in the local time zone.
-				f := strings.Fields(line)
-				if len(f) < 3 {
-					continue
-				}
-				when, err := time.ParseInLocation("2006/01/02 15:04:05.000000", f[1]+" "+f[2], time.Local)
-				if err == nil && when.After(at) && (elected == 0 || when.Sub(at) < elected) {
-					elected = when.Sub(at)
+				if when, ok := logTime(line); ok && when.After(at) && (first == 0 || when.Sub(at) < first) {
+					first = when.Sub(at)
 				}
 			}
 		}
-		if elected > 0 {
+		if first > 0 {
 			return nil
 		}
-		return fmt.Errorf("no server logged a new leader of %s since the fault", stream)
+		return fmt.Errorf("no server logged %s since the fault", what)
 	})
-	return elected
+	return first
+}
+
+// logTime reads the time of a nats-server log line: "[pid] 2026/12/02 00:34:36.988917 [INF] …",
+// in the local time zone.
+func logTime(line string) (time.Time, bool) {
+	f := strings.Fields(line)
+	if len(f) < 3 {
+		return time.Time{}, false
+	}
+	when, err := time.ParseInLocation("2006/01/02 15:04:05.000000", f[1]+" "+f[2], time.Local)
+	return when, err == nil
 }
 
 // consumerHosts returns, for each partition, the servers holding a lane consumer of it on

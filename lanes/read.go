@@ -41,10 +41,11 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		case errors.Is(err, errCreateTimedOut) && create == shutdownCreateTimeout:
 			create, timeouts = consumerCreateTimeout, 0
 		case errors.Is(err, errCreateTimedOut):
-			// One lost creation is a dead server's; more in a row, a cluster slow to answer,
-			// which is not to be asked ever faster: from the second on, each waits twice as
+			// One lost creation is a dead server's; a few in a row, most often a meta leader
+			// that died with it (see consumerCreateTimeout); many, a cluster slow to answer,
+			// which is not to be asked ever faster: from the third on, each waits twice as
 			// long, up to maxConsumerCreateTimeout.
-			if timeouts++; timeouts > 1 {
+			if timeouts++; timeouts > 2 {
 				create = min(2*create, maxConsumerCreateTimeout)
 			}
 		case err == nil || next != from:
@@ -96,10 +97,17 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // meta leader takes a crashed server for offline only once its heartbeats have been missing for
 // minutes (nats-server 2.15 events.go, orphMax = 5 × 30s), and may place a consumer created
 // meanwhile on that server, which never answers: the lane gives up on it after this and creates
-// another, under another name, placed again. From the second creation in a row that times out,
-// each waits twice as long, up to maxConsumerCreateTimeout, so that a cluster merely slow to
-// answer is not asked ever faster. (nats.go's ordered consumer waits 10s per attempt and, by
-// default, retries the same name for ever.)
+// another, under another name, placed again. A creation is answered by the meta leader alone,
+// and until the other servers notice that it died (their election timers, seconds) nobody
+// answers at all: every creation sent meanwhile is lost, and the first one sent after the next
+// meta leader is elected is answered at once. So a lane's wait past that election is at most
+// one creation's timeout, and that is kept short: from the third creation in a row that times
+// out, each waits twice as long, but never past maxConsumerCreateTimeout (4 s), so that a
+// cluster merely slow to answer is not asked ever faster, and a lane does not wait 8-10 s more
+// than its cluster did (a clean-clone CI run on 2026-12-07: a message waited 16.1 s after the
+// server leading INCOMING, OUTGOING and, most likely, the meta group was killed; the next meta
+// leader was logged 8.6 s after the kill, by when the lane's creation timeouts had grown to 8 s). (nats.go's ordered consumer waits
+// 10s per attempt and, by default, retries the same name for ever.)
 //
 // After a consumer's server said it is shutting down (409 Server Shutdown, which nats-server
 // sends the pending pull requests of its one-replica consumers before it stops), the next
@@ -107,7 +115,7 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // stopping server before it learns of the stop, and that creation is never answered.
 const (
 	consumerCreateTimeout    = 2 * time.Second
-	maxConsumerCreateTimeout = 10 * time.Second
+	maxConsumerCreateTimeout = 4 * time.Second
 	shutdownCreateTimeout    = 300 * time.Millisecond
 )
 
