@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvmapper/kvmapper/audit"
+	"github.com/kvmapper/kvmapper/election"
 	"github.com/kvmapper/kvmapper/internal/kvcas"
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/setup"
@@ -123,11 +124,21 @@ func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netClust
 		}
 		nc.repProc = append(nc.repProc, nc.startReplica(i, servers))
 	}
+	// Until each replica owns its quota: the first to start claims more and hands the surplus
+	// back a moment later, which a test that takes the owners before a fault would count as
+	// moved by it.
+	ids := []string{"r0", "r1", "r2"}
 	natstest.Eventually(t, 60*time.Second, func() error {
-		owners := nc.owners()
-		for p, o := range owners {
+		owned := map[string]int{}
+		for p, o := range nc.owners() {
 			if o == "" {
 				return fmt.Errorf("partition %d has no owner yet", p)
+			}
+			owned[o]++
+		}
+		for _, id := range ids {
+			if n, q := owned[id], election.Quota(nc.lay.Partitions, ids, id); n != q {
+				return fmt.Errorf("%s owns %d partitions, want its quota, %d", id, n, q)
 			}
 		}
 		return nil

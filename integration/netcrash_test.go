@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/kvmapper/kvmapper/internal/natstest"
 	"github.com/kvmapper/kvmapper/subjects"
 )
@@ -88,7 +90,7 @@ func (nc *netCluster) crash(server string) crash {
 	<-down.C
 	nc.srvProc[i] = nc.startServer(i)
 	c.back = time.Now()
-	nc.current(2 * time.Minute)
+	nc.current(time.Minute)
 	nc.flows(2 * targetRate)
 	c.settled = time.Now()
 	for _, s := range c.led {
@@ -113,6 +115,18 @@ func (c crash) leading() string {
 	return led
 }
 
+// caughtLag is how many entries a follower may trail its leader by and count as caught up:
+// under load a follower that stores every entry a moment after the leader commits it is
+// "current" (lag 0) only between two of them, which a clean-clone CI run's loaded servers did not
+// show once in 2 minutes; one that is still catching up after a restart trails by thousands.
+const caughtLag = 500
+
+// caughtUp reports whether a stream's follower is seen by its leader and trails it by at most
+// caughtLag entries.
+func caughtUp(r *jetstream.PeerInfo) bool {
+	return r.Current || !r.Offline && r.Active < 2*time.Second && r.Lag <= caughtLag
+}
+
 // streamsLed returns the streams and buckets server leads.
 func (nc *netCluster) streamsLed(server string) []string {
 	nc.t.Helper()
@@ -132,7 +146,7 @@ func (nc *netCluster) allStreams() []string {
 	return out
 }
 
-// current waits until every stream has a leader and every replica current with it.
+// current waits until every stream has a leader and every replica caught up with it.
 func (nc *netCluster) current(timeout time.Duration) {
 	nc.t.Helper()
 	natstest.Eventually(nc.t, timeout, func() error {
@@ -148,8 +162,8 @@ func (nc *netCluster) current(timeout time.Duration) {
 				return fmt.Errorf("%s: no leader or not three replicas yet (%+v)", s, ci)
 			}
 			for _, r := range ci.Replicas {
-				if !r.Current {
-					return fmt.Errorf("%s: %s not current", s, r.Name)
+				if !caughtUp(r) {
+					return fmt.Errorf("%s: %s not caught up (current %v, offline %v, lag %d, last seen %v ago)", s, r.Name, r.Current, r.Offline, r.Lag, r.Active)
 				}
 			}
 		}
