@@ -126,9 +126,10 @@ func newNetCluster(t *testing.T, devices []string, opts ...netOptions) *netClust
 	}
 	// Until each replica owns its quota: the first to start claims more and hands the surplus
 	// back a moment later, which a test that takes the owners before a fault would count as
-	// moved by it.
+	// moved by it. Up to 2 minutes: a partition claimed past the quota after a lane's failure
+	// is kept for 5 lease TTLs (election's graceHold) before it is handed back.
 	ids := []string{"r0", "r1", "r2"}
-	natstest.Eventually(t, 60*time.Second, func() error {
+	natstest.Eventually(t, 2*time.Minute, func() error {
 		owned := map[string]int{}
 		for p, o := range nc.owners() {
 			if o == "" {

@@ -43,7 +43,7 @@ func (l *lane) read(ctx context.Context, next uint64, out chan<- delivery) {
 		case errors.Is(err, errCreateTimedOut):
 			// One lost creation is a dead server's; a few in a row, most often a meta leader
 			// that died with it (see consumerCreateTimeout); many, a cluster slow to answer,
-			// which is not to be asked ever faster: from the third on, each waits twice as
+			// which is not to be asked ever faster: after the third, each waits twice as
 			// long, up to maxConsumerCreateTimeout.
 			if timeouts++; timeouts > 2 {
 				create = min(2*create, maxConsumerCreateTimeout)
@@ -101,13 +101,14 @@ var errGap = errors.New("lanes: a delivery is missing (consumer sequence gap)")
 // and until the other servers notice that it died (their election timers, seconds) nobody
 // answers at all: every creation sent meanwhile is lost, and the first one sent after the next
 // meta leader is elected is answered at once. So a lane's wait past that election is at most
-// one creation's timeout, and that is kept short: from the third creation in a row that times
-// out, each waits twice as long, but never past maxConsumerCreateTimeout (4 s), so that a
-// cluster merely slow to answer is not asked ever faster, and a lane does not wait 8-10 s more
-// than its cluster did (a clean-clone CI run on 2026-12-07: a message waited 16.1 s after the
-// server leading INCOMING, OUTGOING and, most likely, the meta group was killed; the next meta
-// leader was logged 8.6 s after the kill, by when the lane's creation timeouts had grown to 8 s). (nats.go's ordered consumer waits
-// 10s per attempt and, by default, retries the same name for ever.)
+// one creation's timeout, and that is kept short: the first three creations in a row that
+// time out wait 2 s each, the next ones twice as long, but never past maxConsumerCreateTimeout
+// (4 s), so that a cluster merely slow to answer is not asked ever faster, and a lane does not
+// wait 8-10 s more than its cluster did (a clean-clone CI run on 2026-12-07: a message waited
+// 16.1 s after the server leading INCOMING, OUTGOING and, most likely, the meta group was
+// killed; the next meta leader was logged 8.6 s after the kill, by when the lane's creation
+// timeouts had grown to 8 s). (nats.go's ordered consumer waits 10s per attempt and, by
+// default, retries the same name for ever.)
 //
 // After a consumer's server said it is shutting down (409 Server Shutdown, which nats-server
 // sends the pending pull requests of its one-replica consumers before it stops), the next
