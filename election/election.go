@@ -373,7 +373,19 @@ func (e *Elector) reconcile(ctx context.Context) time.Time {
 			later(e.judgeable(own, h))
 		}
 	}
-	for p := range e.holders {
+	for p, h := range e.holders {
+		if h.gone.Load() {
+			// Its lease is lost and its Work still returning: not this replica's share any more,
+			// or a replica back from a cut, its five lanes draining for 10 s, would count them in
+			// its quota and claim nothing handed to it, and the others would claim its share again
+			// after Grace and keep it for graceHold (a clean-clone CI run on 2026-12-07: 75 s
+			// without a partition). Nor may this replica claim it again before Work returned: a
+			// free one stays in transit.
+			if owners[p] == "" || owners[p] == me {
+				owners[p] = inTransit
+			}
+			continue
+		}
 		owners[p] = me
 	}
 	claims, releases := Plan(me, members, owners)

@@ -95,6 +95,10 @@ type holder struct {
 	// keepUntil, set for partitions claimed past Grace against their rank, delays handing them
 	// back to the member they rank first for; only the Elector's loop uses it.
 	keepUntil time.Time
+	// gone is set by run once the lease is lost, while Work may still be returning (a fenced
+	// lane drains its publishes for up to its DrainTimeout): the Elector's loop then no longer
+	// counts the partition as this replica's share.
+	gone atomic.Bool
 }
 
 // run owns the partition until the lease is released, lost or abandoned, and reports how it
@@ -120,6 +124,7 @@ func (h *holder) run(parent context.Context) exit {
 
 	lose := func(reason string, err error) {
 		lost = true
+		h.gone.Store(true)
 		l.revoke()
 		cancel(ErrLeaseLost)
 		renewC, expiryC = nil, nil
