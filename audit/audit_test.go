@@ -179,6 +179,7 @@ func fmtFindings(fs []audit.Finding) string {
 }
 
 func TestAllGood(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	devs := []string{"dev-1", "dev-2", "dev-3"}
 	var seqs []uint64
@@ -200,12 +201,14 @@ func TestAllGood(t *testing.T) {
 }
 
 func TestEmpty(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	rep := e.run(audit.Config{})
 	check(t, rep, counts{}, true, nil)
 }
 
 func TestReorder(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-1", "dev-2", "dev-2")
 	e.out(put{seq: s[0], device: "dev-1"})
@@ -224,6 +227,7 @@ func TestReorder(t *testing.T) {
 }
 
 func TestReorderWithinUnmapped(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1")
 	e.out(put{seq: s[1], device: "dev-1", unmapped: true})
@@ -241,6 +245,7 @@ func TestReorderWithinUnmapped(t *testing.T) {
 // stored twice in OUTGOING because the second publish came after the duplicate window (a
 // takeover slower than the window, or a replay).
 func TestDuplicate(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	s, err := e.js.Stream(ctx, "OUTGOING")
@@ -282,6 +287,7 @@ func TestDuplicate(t *testing.T) {
 }
 
 func TestMissing(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-2", "dev-1", "dev-2", "dev-1")
 	for _, i := range []int{0, 1, 3} {
@@ -300,6 +306,7 @@ func TestMissing(t *testing.T) {
 // TestDeletedIncoming: sequences deleted from INCOMING before the audit are not missing; the
 // first one moves the audited range, so its copy is out of range.
 func TestDeletedIncoming(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	s := e.in("dev-1", "dev-1", "dev-1", "dev-1", "dev-1", "dev-1")
@@ -327,6 +334,7 @@ func TestDeletedIncoming(t *testing.T) {
 // A deposed owner's write is found whichever spelling of provenance each owner wrote: here the
 // deposed one runs a build from before KVMapper-Prov, as in a rolling upgrade.
 func TestStaleEpoch(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-2", "dev-1", "dev-2")
 	e.out(put{seq: s[0], device: "dev-1", epoch: 5, oldProv: true})
@@ -343,6 +351,7 @@ func TestStaleEpoch(t *testing.T) {
 }
 
 func TestForeign(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1")
 	e.out(put{seq: s[0], device: "dev-1"})
@@ -361,6 +370,7 @@ func TestForeign(t *testing.T) {
 // Ids written before they named INCOMING's incarnation count as the current INCOMING's; ids of
 // an earlier INCOMING (deleted and created again) are foreign, not duplicates of the new one's.
 func TestIncarnations(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	old := e.idPrefix()
 	s := e.in("dev-1", "dev-1")
@@ -388,6 +398,7 @@ func TestIncarnations(t *testing.T) {
 // A control bucket deleted and created again starts lease epochs again: lower epochs after its
 // creation are not a deposed owner's writes, but a lower epoch among those still is.
 func TestEpochsRestartWithTheControlBucket(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	s := e.in("dev-1", "dev-1", "dev-1", "dev-1")
@@ -412,6 +423,7 @@ func TestEpochsRestartWithTheControlBucket(t *testing.T) {
 // the restart too (seen in CI with the old epoch stored on both sides of the creation). A drop
 // after it is still a deposed owner's write.
 func TestEpochsRestartAfterTheOldEpochOutlivedTheBucket(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	s := e.in("dev-1", "dev-1", "dev-1", "dev-1", "dev-1")
@@ -433,6 +445,7 @@ func TestEpochsRestartAfterTheOldEpochOutlivedTheBucket(t *testing.T) {
 }
 
 func TestMaxFindings(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-1", "dev-1", "dev-1")
 	for i := len(s) - 1; i >= 0; i-- {
@@ -450,6 +463,7 @@ func TestMaxFindings(t *testing.T) {
 // TestWait: the last message is missing when the outputs have been read; it arrives in UNMAPPED
 // during the wait, and the audit ends as soon as it has it.
 func TestWait(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-1")
 	e.out(put{seq: s[0], device: "dev-1"})
@@ -510,6 +524,7 @@ func consumerAt(js jetstream.JetStream, stream string, seq uint64) error {
 }
 
 func TestWaitTimesOut(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1")
 	e.out(put{seq: s[0], device: "dev-1"})
@@ -524,6 +539,7 @@ func TestWaitTimesOut(t *testing.T) {
 }
 
 func TestProgress(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	s := e.in("dev-1", "dev-1", "dev-1")
 	for _, seq := range s {
@@ -537,6 +553,7 @@ func TestProgress(t *testing.T) {
 }
 
 func TestErrors(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	if _, err := audit.Run(ctx, e.js, audit.Config{}); !errors.Is(err, audit.ErrInvalidConfig) {
@@ -557,6 +574,7 @@ func TestErrors(t *testing.T) {
 // streams on takeover (kvmapper.fence.<stream>.<p>, docs/design-fencing.md) are not messages of
 // any device: verify neither counts them nor reports them as foreign.
 func TestFenceRecordsAreNoMessages(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	for _, name := range []string{e.names.Outgoing, e.names.Unmapped} {

@@ -24,6 +24,9 @@ import (
 func BenchmarkRun1M(b *testing.B) {
 	const devices = 10_000
 	n := 1_000_000
+	if testing.Short() {
+		n = 100_000 // CI runs every benchmark once with -short: to run, not to measure
+	}
 	if v, err := strconv.Atoi(os.Getenv("AUDIT_BENCH_N")); err == nil && v > 0 {
 		n = v // for quicker experiments
 	}

@@ -17,6 +17,7 @@ import (
 // INCOMING, and Run must refuse with ErrDirectMode and say what to check instead, rather than
 // fail on a missing stream.
 func TestDirectModeIsRefused(t *testing.T) {
+	t.Parallel()
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {
 		t.Fatal(err)
@@ -41,6 +42,7 @@ func TestDirectModeIsRefused(t *testing.T) {
 // TestDirectConfigIsRefused refuses at once when told the deployment runs in direct mode
 // (`kvmapper verify --mode direct`), even where INCOMING exists.
 func TestDirectConfigIsRefused(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	e.in("dev-1")
 	_, err := audit.Run(context.Background(), e.js, audit.Config{Layout: e.lay, Direct: true})

@@ -19,6 +19,7 @@ import (
 // the audit, each named; one whose revision the bucket no longer holds, or that has none, is
 // counted unchecked.
 func TestMappingChecked(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{region}.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 // Messages held in PARKED are parked, not missing; one in PARKED and OUTGOING (released, not yet
 // purged) is no duplicate.
 func TestParkedAreNotMissing(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	if _, err := setup.Ensure(ctx, e.js, setup.Config{Layout: e.lay, Names: e.names, Park: &setup.ParkedStream{}}); err != nil {

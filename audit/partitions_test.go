@@ -13,6 +13,7 @@ import (
 // tells INCOMING-3:1 from INCOMING-5:1 by the stream the Nats-Msg-Id names, and reports each
 // range, gap and duplicate against its own stream.
 func TestPartitionStreamsAudit(t *testing.T) {
+	t.Parallel()
 	e := newEnvIn(t, subjects.PartitionStreams)
 	// Four devices in four partitions: each partition stream holds sequences 1..3 of one device.
 	var devs []string

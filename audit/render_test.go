@@ -14,6 +14,7 @@ import (
 // The report verify prints: OK in one line; FAILED with a count per kind and the examples; as
 // JSON with ok, the rate and an empty list of findings rather than null.
 func TestReportRenders(t *testing.T) {
+	t.Parallel()
 	names := subjects.DefaultNames
 	ok := &audit.Report{Incoming: 10, IncomingFirst: 1, IncomingLast: 10, Outgoing: 9, Unmapped: 1, Devices: 1, Elapsed: time.Second}
 	var b bytes.Buffer

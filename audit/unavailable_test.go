@@ -19,6 +19,7 @@ import (
 // the audit's kinds of request is tried: creating its consumers, and reading a stream's state
 // (an audit that gave up there failed, or took PARKED for empty).
 func TestRequestsWaitOutUnavailableJetStream(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		name string
 		// replicas of stream S. A node cut off answers a stream info request itself while it

@@ -36,6 +36,7 @@ func tiny(url string) bench.Config {
 }
 
 func TestRun(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -154,6 +155,7 @@ func TestRun(t *testing.T) {
 // In the partition-streams layout the contenders read every partition stream: the server maps
 // the device subjects into them, and the naive mapper does not run.
 func TestRunPartitionStreams(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	lay, err := subjects.NewLayout("incoming.{device}.{event}", "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {
@@ -198,6 +200,7 @@ func TestRunPartitionStreams(t *testing.T) {
 }
 
 func TestRunRefusesForeignStreams(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -213,6 +216,7 @@ func TestRunRefusesForeignStreams(t *testing.T) {
 }
 
 func TestRunInvalidConfig(t *testing.T) {
+	t.Parallel()
 	for name, mod := range map[string]func(*bench.Config){
 		"no url":          func(c *bench.Config) { c.URL = "" },
 		"unknown only":    func(c *bench.Config) { c.Only = []bench.Kind{"speed"} },

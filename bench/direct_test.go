@@ -15,6 +15,7 @@ import (
 // The direct run measures every path when the server maps the direct subjects (as the bench's
 // own server does). TestRun runs it on a server that does not, where it skips the mapping path.
 func TestRunDirect(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	lay, err := subjects.NewLayout(bench.DirectMappedIn, "outgoing.{group}.{device}.{event}", "unmapped.{device}.{event}", 16)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 
 // The bench's lists are read, and refused in the flags' words, before anything starts.
 func TestParseSweep(t *testing.T) {
+	t.Parallel()
 	w, err := bench.ParseSweep("100_000, 1000000", "16", "1,3", "single,streams")
 	if err != nil {
 		t.Fatalf("ParseSweep() = %v", err)
@@ -49,6 +50,7 @@ func TestParseSweep(t *testing.T) {
 // A sweep of several runs is the throughput bench alone, without profiles, and on the bench's own
 // server when it lists partitions or layouts; one run takes any sub-benchmark.
 func TestSweepFit(t *testing.T) {
+	t.Parallel()
 	one := bench.Sweep{Messages: []int{1}, Partitions: []int{16}, Replicas: []int{1}, Layouts: []subjects.StreamLayout{subjects.SingleStream}}
 	many := one
 	many.Partitions = []int{16, 64}
@@ -91,6 +93,7 @@ func TestSweepFit(t *testing.T) {
 
 // CreateProfiles creates the files asked for, the memory profile's .base beside it, and nothing else.
 func TestCreateProfiles(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	var cfg bench.Config
 	done, err := cfg.CreateProfiles("", filepath.Join(dir, "mem"))

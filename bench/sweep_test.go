@@ -14,6 +14,7 @@ import (
 
 // Contenders picks the throughput contenders, and Profile the one the profiles cover.
 func TestRunContenders(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -46,6 +47,7 @@ func TestRunContenders(t *testing.T) {
 // WriteSweep puts one row per run and checks each scale target between two runs that differ in
 // that dimension alone.
 func TestWriteSweep(t *testing.T) {
+	t.Parallel()
 	run := func(layout string, parts, repl, msgs int, kvm, ceiling float64) *bench.Report {
 		return &bench.Report{StreamLayout: layout, Throughput: &bench.ThroughputResult{
 			Messages: msgs, Partitions: parts, Replicas: repl,

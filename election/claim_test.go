@@ -296,6 +296,7 @@ func TestClaimAnswerTimedOut(t *testing.T) {
 // TestClaimAnswerLostInReconnect is TestClaimAnswerTimedOut with the answer lost in a reconnect:
 // nats.go fails the pending claim with ErrDisconnected.
 func TestClaimAnswerLostInReconnect(t *testing.T) {
+	t.Parallel()
 	lc := startLosingClaim(t, gatedTTL, false)
 	rev, at := lc.stored(t)
 	if err := lc.r.nc.ForceReconnect(); err != nil {
@@ -309,6 +310,7 @@ func TestClaimAnswerLostInReconnect(t *testing.T) {
 // lease back either (as from a bucket electing its leader): it must try again while the claim's
 // lease clock runs, and own the partition under that claim as soon as it can read it.
 func TestClaimAnswerLostAndLeaseUnreadable(t *testing.T) {
+	t.Parallel()
 	lc := startLosingClaim(t, gatedTTL, true, func(c *election.Config) { c.RenewInterval = 500 * time.Millisecond })
 	rev, at := lc.stored(t)
 	natstest.Eventually(t, gatedTTL, func() error {

@@ -14,6 +14,7 @@ import (
 // TestBootClockIsBoottime checks that on Linux the default lease clock reads CLOCK_BOOTTIME,
 // the clock that counts time suspended, and not a fallback.
 func TestBootClockIsBoottime(t *testing.T) {
+	t.Parallel()
 	clock := election.BootClock()
 	var before, after unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &before); err != nil {

@@ -16,6 +16,7 @@ import (
 // invalid at once and the partition's context end with ErrLeaseLost, well before the lease
 // could run out by the monotonic clock (it is renewed all along).
 func TestSuspendEndsLease(t *testing.T) {
+	t.Parallel()
 	const leaseTTL = 3 * time.Second // renewals every 750ms, margin 250ms
 	var suspended atomic.Int64
 	origin := time.Now()
@@ -73,6 +74,7 @@ func TestSuspendEndsLease(t *testing.T) {
 // back, and over a short interval (in which the machine is not suspended) agrees with Go's
 // monotonic clock.
 func TestBootClockAdvancesWithMonotonic(t *testing.T) {
+	t.Parallel()
 	clock := election.BootClock()
 	b0, m0 := clock(), time.Now()
 	prev := b0

@@ -183,6 +183,7 @@ func keyGone(t *testing.T, kv jetstream.KeyValue, key string) error {
 }
 
 func TestNewInvalidConfig(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)
@@ -212,6 +213,7 @@ func TestNewInvalidConfig(t *testing.T) {
 }
 
 func TestRunRefusesBucketWithoutMarkers(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv, err := js.CreateKeyValue(context.Background(), jetstream.KeyValueConfig{Bucket: "plain"})
@@ -228,6 +230,7 @@ func TestRunRefusesBucketWithoutMarkers(t *testing.T) {
 }
 
 func TestSingleElectorClaimsAllAndReleases(t *testing.T) {
+	t.Parallel()
 	const P = 8
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -330,6 +333,7 @@ func TestRenewKeepsLease(t *testing.T) {
 // self-fencing with ErrLeaseLost, the lease expires on the server, and the other replica takes
 // over within TTL plus about a second.
 func TestKillFailover(t *testing.T) {
+	t.Parallel()
 	const P = 8
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

@@ -17,6 +17,7 @@ import (
 // the half of its partitions it weighs lowest, each one's Work ending before the new one's
 // starts, and keeps the rest.
 func TestScaleOutHandsOverExcess(t *testing.T) {
+	t.Parallel()
 	const P = 16
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -43,6 +44,7 @@ func TestScaleOutHandsOverExcess(t *testing.T) {
 // TestGracefulHandoverOrder checks that on shutdown the lease stays held (and renewed) while Work
 // drains, and is deleted only after Work returns; the next owner starts after that.
 func TestGracefulHandoverOrder(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)

@@ -216,6 +216,7 @@ func TestJudgedExpiryWaitsForWritableTime(t *testing.T) {
 // newer owner's fence on its output) ends the lease as lost: the lease key is not deleted, which
 // would be the newer owner's, and no failure is logged as the work's.
 func TestWorkFencedIsALostLease(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)
@@ -255,6 +256,7 @@ func TestWorkFencedIsALostLease(t *testing.T) {
 // reach it again), a takes them all, handing none to b, which could not take them; when b hears
 // again, a hands its share back.
 func TestDeafMemberIsLeftOutOfTheQuotas(t *testing.T) {
+	t.Parallel()
 	const P = 4
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -309,6 +311,7 @@ func TestDeafMemberIsLeftOutOfTheQuotas(t *testing.T) {
 // at once. b takes c's partitions after about JudgedExpiry, each Lease naming what c vouched
 // for, and leaves a's alone: nothing says a's writes would be refused after a takeover.
 func TestJudgeOnlyOwnersItVouchesFor(t *testing.T) {
+	t.Parallel()
 	const P = 6
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

@@ -66,6 +66,7 @@ func partitionsOf(t *testing.T, m map[string]any) []int {
 // releasing them all at shutdown logs one "partitions released" line; the per-partition lines
 // are debug.
 func TestStartAndStopLogOneLineEach(t *testing.T) {
+	t.Parallel()
 	const n = 16
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

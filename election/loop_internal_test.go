@@ -12,6 +12,7 @@ import (
 // judged. The loop must not wake itself at once for that past time, again and again: over one
 // second it passes a handful of times (minWake), not thousands.
 func TestLoopDoesNotSpinWhileOwnWritesGoUnheard(t *testing.T) {
+	t.Parallel()
 	cfg, err := Config{ReplicaID: "a", Partitions: 4, LeaseTTL: 15 * time.Second,
 		RenewInterval: 500 * time.Millisecond, JudgedExpiry: 2 * time.Second}.withDefaults()
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 var planPartitions = []int{1, 7, 16, 64}
 
 func TestQuota(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name       string
 		partitions int
@@ -41,6 +42,7 @@ func TestQuota(t *testing.T) {
 // TestQuotaProperty checks that the quotas of n members sum to P and differ by at most one, for
 // any ids.
 func TestQuotaProperty(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, P := range planPartitions {
 		for n := 1; n <= 10; n++ {
@@ -61,6 +63,7 @@ func TestQuotaProperty(t *testing.T) {
 }
 
 func TestPlan(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name         string
 		me           string
@@ -98,6 +101,7 @@ func TestPlan(t *testing.T) {
 // TestPlanPreference checks that the order of preference depends only on the replica's id, and
 // that over quota a replica keeps the partitions it would claim first.
 func TestPlanPreference(t *testing.T) {
+	t.Parallel()
 	const P = 16
 	claim, _ := election.Plan("a", nil, make([]string, P))
 	again, _ := election.Plan("a", []string{"z", "a"}, make([]string, P))
@@ -122,6 +126,7 @@ func TestPlanPreference(t *testing.T) {
 // quota, all to it) and balance holds; a leaving replica moves only its own partitions. It
 // checks every member set, not an average.
 func TestPlanJoinLeave(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(3, 4))
 	sets := 0
 	for _, P := range planPartitions {

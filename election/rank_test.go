@@ -29,6 +29,7 @@ func moved(a, b []string) int {
 }
 
 func TestRankEmpty(t *testing.T) {
+	t.Parallel()
 	if got := election.Rank(3, nil); got != "" {
 		t.Fatalf("Rank(3, nil) = %q, want \"\"", got)
 	}
@@ -38,6 +39,7 @@ func TestRankEmpty(t *testing.T) {
 }
 
 func TestRankDeterministic(t *testing.T) {
+	t.Parallel()
 	a := []string{"replica-a", "replica-b", "replica-c"}
 	b := []string{"replica-c", "replica-a", "replica-b", "replica-a"} // order and duplicates do not matter
 	for p := range rankP {
@@ -48,6 +50,7 @@ func TestRankDeterministic(t *testing.T) {
 }
 
 func TestRankSpread(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name    string
 		members []string
@@ -71,6 +74,7 @@ func TestRankSpread(t *testing.T) {
 }
 
 func TestRankAddMember(t *testing.T) {
+	t.Parallel()
 	three := []string{"a", "b", "c"}
 	four := append(slices.Clone(three), "d")
 	before, after := assign(three), assign(four)
@@ -85,6 +89,7 @@ func TestRankAddMember(t *testing.T) {
 }
 
 func TestRankRemoveMember(t *testing.T) {
+	t.Parallel()
 	four := []string{"replica-0", "replica-1", "replica-2", "replica-3"}
 	three := []string{"replica-0", "replica-2", "replica-3"}
 	before, after := assign(four), assign(three)
@@ -98,6 +103,7 @@ func TestRankRemoveMember(t *testing.T) {
 // TestRankStatistics measures HRW over many member sets. Rendezvous hashing balances only in
 // expectation (each member's count is binomial), so it checks the means and logs the spread.
 func TestRankStatistics(t *testing.T) {
+	t.Parallel()
 	const sets = 2000
 	balanced, smallMove, totalMoved := 0, 0, 0
 	for s := range sets {

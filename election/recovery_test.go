@@ -19,6 +19,7 @@ import (
 // TestWorkErrorReleasesAndReclaims checks that a Work that fails gives the lease up and that
 // the partition is claimed again after a backoff.
 func TestWorkErrorReleasesAndReclaims(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)
@@ -64,6 +65,7 @@ func TestWorkErrorReleasesAndReclaims(t *testing.T) {
 // TestGraceClaimsFromSilentMember registers a member that never claims anything: the live
 // replica takes its partitions after Grace, and keeps them.
 func TestGraceClaimsFromSilentMember(t *testing.T) {
+	t.Parallel()
 	const P = 16
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
@@ -99,6 +101,7 @@ func TestGraceClaimsFromSilentMember(t *testing.T) {
 // under a larger epoch), and then own each partition exactly once, its lease key held under the
 // new claim.
 func TestServerRestart(t *testing.T) {
+	t.Parallel()
 	const P = 4
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)

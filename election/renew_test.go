@@ -271,6 +271,7 @@ func TestRenewalAnswerTimedOut(t *testing.T) {
 // lost: the revision-checked delete conflicts with the holder's own renewal, and it must adopt
 // it and delete the lease rather than leave it to expire.
 func TestReleaseAfterLostRenewalAnswer(t *testing.T) {
+	t.Parallel()
 	// The release must come before the next renewal (due a second later), which would find the
 	// lost one and adopt it: a wire tap on the lease's subject shows which came first, and a
 	// round the renewal won is run again, up to three.
@@ -318,6 +319,7 @@ func TestReleaseAfterLostRenewalAnswer(t *testing.T) {
 // conflicts, the stored lease names its id but not its claim, and the holder must give the
 // partition up rather than adopt the stranger's revision.
 func TestSameIDWriterIsNotAdopted(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	kv := newBucket(t, js)

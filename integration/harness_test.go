@@ -45,8 +45,8 @@ const parallelScenarios = 4
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	if !raceEnabled && !flagSet("test.parallel") {
-		_ = flag.Set("test.parallel", strconv.Itoa(parallelScenarios))
+	if !raceEnabled {
+		natstest.SetParallel(parallelScenarios)
 	}
 	dir, err := os.MkdirTemp("", "kvmapper-integration")
 	if err != nil {
@@ -74,12 +74,6 @@ func TestMain(m *testing.M) {
 		}
 	}
 	os.Exit(code)
-}
-
-// flagSet says whether the command line set the flag called name.
-func flagSet(name string) (set bool) {
-	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
-	return set
 }
 
 // checkRaces fails t when a kvmapper process's output holds a race detector's report. A

@@ -17,6 +17,7 @@ import (
 )
 
 func TestReleasedWhileResendingStopsPromptly(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
 	pool, stop := f.run(lanes.Config{DrainTimeout: time.Second, MaxRetryBackoff: 50 * time.Millisecond}, nil)
@@ -45,6 +46,7 @@ func TestReleasedWhileResendingStopsPromptly(t *testing.T) {
 }
 
 func TestDeadLetterRefusedByUnmapped(t *testing.T) {
+	t.Parallel()
 	for name, tc := range map[string]struct {
 		maxMsgSize int32
 		stored     bool // the stripped dead letter fits
@@ -94,6 +96,7 @@ func TestDeadLetterRefusedByUnmapped(t *testing.T) {
 // A lane whose checkpoint cannot be written stops taking new messages after MaxCheckpointAge,
 // so a takeover never has to resend more than OUTGOING's duplicate window recognises.
 func TestStaleCheckpointPausesIntake(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
 	const tick = 20 * time.Millisecond
@@ -158,6 +161,7 @@ func TestStaleCheckpointPausesIntake(t *testing.T) {
 // MaxCheckpointAge, the first message moves the prefix past the checkpoint; the next one must
 // still be taken at once, not wait for the next tick's write.
 func TestIdleLaneMapsAtOnce(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
 	const age, tick = 2 * time.Second, time.Minute

@@ -20,6 +20,7 @@ import (
 // stopped: OUTGOING drops what it sends meanwhile as duplicates, so only the wire can tell.
 // Every publish carries its owner's epoch; the old owner's are counted as they go out.
 func TestFencedByCheckpointWrite(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		dev := "dev-fence"
 		p := subjects.Partition(dev, 16)
@@ -111,6 +112,7 @@ func TestFencedByCheckpointWrite(t *testing.T) {
 }
 
 func TestLeaseClockStopsPublishing(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		dev := "dev-lost"
 		p := subjects.Partition(dev, 16)
@@ -162,6 +164,7 @@ func TestLeaseClockStopsPublishing(t *testing.T) {
 // twice per message: at most once per millisecond and per 64 publishes (leaseclock.go). Counted
 // here over a backlog of one partition, against that bound from the time the whole run took.
 func TestLeaseClockIsReadPerBurst(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-clock"
 	p := subjects.Partition(dev, 16)

@@ -75,6 +75,7 @@ func fenceOnce(t *testing.T, pool *lanes.Pool, p int, epoch uint64, fenced int) 
 // only the last: after many takeovers each output stream holds one record per partition, not one
 // per takeover (which grew without bound, and in PARKED ran into its per-subject limit).
 func TestFenceRecordsStayOnePerPartition(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	fenced := []string{f.names.Outgoing, f.names.Unmapped}
 	for _, s := range fenced {
@@ -131,6 +132,7 @@ func (f *fixture) fillParked(n int) {
 // gives the partition up at once (Run returns an error wrapping ErrFenceWrite, which its owner
 // counts and releases the lease on), rather than retrying for ever while holding the lease.
 func TestFullParkedStillFencesOrGivesUp(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	const limit = 20
 	cfg := f.parkOn(lanes.Config{}, 5, limit)
@@ -188,6 +190,7 @@ func (f *fixture) fenceOver(stream string, p int, epoch uint64) uint64 {
 // went on storing its messages after a successor's record, where a checked write is refused and
 // the lane stops (ErrFenced), having stored nothing after it.
 func TestFencedStreamNeverWrittenInFastBatches(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	fenced := []string{f.names.Outgoing, f.names.Unmapped}
 	for _, s := range fenced {
@@ -241,6 +244,7 @@ func TestFencedStreamNeverWrittenInFastBatches(t *testing.T) {
 // are read again while the pool runs (Config.RefreshFences): lanes started after the record of
 // them was dropped fence nothing and vouch for nothing.
 func TestPoolVouchesOnlyForCheckedWrites(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	both := []string{f.names.Outgoing, f.names.Unmapped}
 	for _, s := range both {
@@ -302,6 +306,7 @@ func TestPoolVouchesOnlyForCheckedWrites(t *testing.T) {
 // stream holds nothing on, and are refused; before, they passed, and it stored beside its
 // successor.
 func TestRecreatedOutgoingRefusesADeposedOwner(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	fenced := []string{f.names.Outgoing, f.names.Unmapped}
 	for _, s := range fenced {

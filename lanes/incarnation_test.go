@@ -107,6 +107,7 @@ func (f *fixture) checkIDs(msgs []nats.Header) {
 // checkpoints hold the old stream's sequences; honouring them would skip the new stream's
 // first messages, and reusing the old Msg-Ids would have OUTGOING drop them as duplicates.
 func TestIncomingRecreatedWhileStopped(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(20)
 		for _, d := range devs {
@@ -136,6 +137,7 @@ func TestIncomingRecreatedWhileStopped(t *testing.T) {
 // INCOMING deleted and created again while the lanes read it: the ordered consumers recreate
 // themselves on the new stream at the old position; the lanes must notice and start over.
 func TestIncomingRecreatedUnderRunningLanes(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(20)
 		for _, d := range devs {
@@ -178,6 +180,7 @@ func TestIncomingRecreatedUnderRunningLanes(t *testing.T) {
 // A checkpoint written before checkpoints named their stream (a bare sequence) is taken as the
 // current INCOMING's: the lane resumes after it and writes it back in the new form.
 func TestBareCheckpointIsTheCurrentStreams(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-old"
 	p := subjects.Partition(dev, 16)

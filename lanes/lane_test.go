@@ -3,6 +3,7 @@ package lanes_test
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"slices"
 	"strconv"
@@ -22,10 +23,13 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	natstest.SetParallel(natstest.WaitingTests)
 	goleak.VerifyTestMain(m)
 }
 
 func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		f.groups.set("dev-42", "group-a")
 		pool, _ := f.run(lanes.Config{}, nil)
@@ -98,6 +102,7 @@ func TestHeadersAndPayloadArriveUnchanged(t *testing.T) {
 }
 
 func TestNoProvenance(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
 	f.run(lanes.Config{NoProvenance: true}, nil)
@@ -111,6 +116,7 @@ func TestNoProvenance(t *testing.T) {
 }
 
 func TestOrderAcrossManyDevices(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(200)
 		for i, d := range devs {
@@ -143,6 +149,7 @@ func TestOrderAcrossManyDevices(t *testing.T) {
 }
 
 func TestUnmappedGoToDeadLetters(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("good", "g")
 	bad := map[string]string{
@@ -194,6 +201,7 @@ func TestUnmappedGoToDeadLetters(t *testing.T) {
 }
 
 func TestMalformedSubjectIsDeadLettered(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		f.groups.set("dev-1", "g")
 		ctx := context.Background()
@@ -233,6 +241,7 @@ func TestMalformedSubjectIsDeadLettered(t *testing.T) {
 }
 
 func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		f.groups.set("dev-1", "g")
 		ctx := context.Background()
@@ -279,6 +288,7 @@ func TestOversizedIsDeadLetteredAndOrderKept(t *testing.T) {
 // Nats-Rollup: all would have wiped it. INCOMING allows both here, as a stream of the user's own
 // may.
 func TestRefusedHeadersAreRejected(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		f.groups.set("dev-1", "g")
 		ctx := context.Background()
@@ -328,6 +338,7 @@ func TestRefusedHeadersAreRejected(t *testing.T) {
 }
 
 func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := devices(50)
 		for _, d := range devs {
@@ -356,6 +367,7 @@ func TestStopAndRestartResumesFromCheckpoint(t *testing.T) {
 // A message resent for a partition (a takeover from an old checkpoint, here a lost one) is
 // acknowledged by OUTGOING as a duplicate, and counted as one.
 func TestResentMessagesCountAsDuplicates(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		dev := "dev-1"
 		p := subjects.Partition(dev, 16)
@@ -432,6 +444,7 @@ func TestServerRestartKeepsOrder(t *testing.T) {
 }
 
 func TestOutgoingDeletedPausesAndResumes(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	f.groups.set("dev-1", "g")
 	pool, _ := f.run(lanes.Config{MaxRetryBackoff: 100 * time.Millisecond}, nil)
@@ -453,6 +466,7 @@ func TestOutgoingDeletedPausesAndResumes(t *testing.T) {
 }
 
 func TestInvalidConfig(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	for name, cfg := range map[string]lanes.Config{
 		"no layout":                        {},

@@ -56,6 +56,7 @@ func TestSilentStreamKeepsOrder(t *testing.T) {
 // rest would be stored. The lane resends the first message alone until it is stored, and only
 // then the rest, so nothing lands behind a later message of its device.
 func TestStreamBackInTheMiddleOfAResendKeepsOrder(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-1"
 	f.groups.set(dev, "g")
@@ -100,6 +101,7 @@ func TestStreamBackInTheMiddleOfAResendKeepsOrder(t *testing.T) {
 // (the default) nothing after the lost message is stored, and it is resent as soon as the batch
 // says where it stopped.
 func TestOvertakenPublishIsResentAtOnce(t *testing.T) {
+	t.Parallel()
 	for name, tc := range map[string]struct {
 		singles bool
 		want    string // OUTGOING's payloads, %s the other device

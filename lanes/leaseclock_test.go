@@ -10,6 +10,7 @@ import (
 // monotonic clock and per leaseReuseMsgs publishes or leaseReuseBytes of them; a reading that
 // said the lease is lost is never reused.
 func TestLeaseClockReuse(t *testing.T) {
+	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		reads, ok := 0, true
 		c := leaseClock{valid: func() bool { reads++; return ok }}
@@ -61,6 +62,7 @@ func TestLeaseClockReuse(t *testing.T) {
 
 // A lane with no lease clock never reads one.
 func TestLeaseClockNone(t *testing.T) {
+	t.Parallel()
 	var c leaseClock
 	if !c.holds() || !c.publish(1<<30) {
 		t.Fatal("a lease without a clock does not hold")

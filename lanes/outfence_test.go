@@ -77,6 +77,7 @@ func (f *fixture) record(stream string, p int) (wire.FenceRecord, uint64) {
 // older than the record it finds has been taken over since it claimed: it stops with ErrFenced
 // and publishes nothing.
 func TestTakeoverWritesTheFenceRecords(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	fenced := f.fenceStreams()
 	dev := "dev-f"
@@ -172,6 +173,7 @@ func TestTakeoverWritesTheFenceRecords(t *testing.T) {
 // old one: under the incarnation the pool read first, the old owner's larger epoch fenced it at
 // once, at every claim, until the new bucket's revisions passed the old ones.
 func TestFenceRecordAfterTheControlBucketIsRecreated(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	fenced := f.fenceStreams()
 	dev := "dev-f"

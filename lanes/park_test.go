@@ -107,6 +107,7 @@ func sameLane(device string, n int) []string {
 // the device publishes its next 100, so that every one of them is parked behind the release in
 // flight: then the release gets through and the device's 200 land in order.
 func TestParkThenReleaseInOrder(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		devs := sameLane("late", 2) // late is provisioned after it published; the other is mapped
 		late, mapped := devs[0], devs[1]
@@ -169,6 +170,7 @@ func ofDevice(msgs []jetstream.Msg, device string) []jetstream.Msg {
 // again from PARKED alone: mapped before the new pool starts, its next messages must still go
 // behind the parked ones.
 func TestParkedSurviveRestart(t *testing.T) {
+	t.Parallel()
 	eachLayout(t, func(t *testing.T, f *fixture) {
 		cfg := f.parkOn(lanes.Config{}, 0, 0)
 		_, stop := f.run(cfg, nil)
@@ -198,6 +200,7 @@ func TestParkedSurviveRestart(t *testing.T) {
 // PARKED's limits end in UNMAPPED as park-full, with the server's words; what was parked is
 // released in order.
 func TestParkLimits(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	cfg := f.parkOn(lanes.Config{}, 10, 25)
 	pool, _ := f.run(cfg, nil)
@@ -248,6 +251,7 @@ func TestParkLimits(t *testing.T) {
 // Parked messages older than MaxAge go to UNMAPPED as park-expired, in order: the lane's own
 // parks, and those a new owner finds in PARKED without knowing their age.
 func TestParkMaxAge(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	cfg := f.parkOn(lanes.Config{}, 0, 0)
 	_, stop := f.run(cfg, nil) // no MaxAge: parked as long as it takes
@@ -391,6 +395,7 @@ func TestReleaseResumedAfterTheDuplicateWindow(t *testing.T) {
 // A release whose publishes go unanswered holds back only its own device: the other devices of
 // its partition, parked or not, keep flowing, and once OUTGOING answers the release completes.
 func TestStuckReleaseDoesNotStallItsPartition(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	cfg := f.parkOn(lanes.Config{PublishTimeout: 300 * time.Millisecond}, 0, 0)
 	ctx := context.Background()
@@ -434,6 +439,7 @@ func TestStuckReleaseDoesNotStallItsPartition(t *testing.T) {
 // kvmapper unpark writes unpark.<p>.<device>: the owner releases the device's parked messages
 // (with no group: dead letters as no-mapping) or drops them (park-dropped), then deletes the key.
 func TestUnparkByKey(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	cfg := f.parkOn(lanes.Config{}, 0, 0)
 	f.run(cfg, nil)
@@ -473,6 +479,7 @@ func TestUnparkByKey(t *testing.T) {
 // runs under parking's context, which the lane's stop cancels, rather than the lane's, which a
 // fence does not end (it waited for the purge's 5 s timeout).
 func TestFencedLaneDoesNotWaitForItsPurge(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "late"
 	cfg := f.parkOn(lanes.Config{}, 0, 0)
@@ -513,6 +520,7 @@ func TestFencedLaneDoesNotWaitForItsPurge(t *testing.T) {
 // the releasing lane's, or none: here a replica with provenance off releases what one with it on
 // parked, and OUTGOING must hold no KVMapper-Prov.
 func TestReleaseCarriesNoParkersProvenance(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	_, stop := f.run(f.parkOn(lanes.Config{}, 0, 0), nil)
 	f.publish([]string{"late"}, 20, nil)

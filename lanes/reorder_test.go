@@ -73,6 +73,7 @@ func runLane(t *testing.T, pool *lanes.Pool, a lanes.Assignment) (stop func(), r
 // after the first was fenced, lands behind the later one. The next owner, which stored it,
 // counts it: once, and the first owner not at all.
 func TestReorderAcrossHandoverIsCountedOnce(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-r"
 	p := subjects.Partition(dev, 16)
@@ -115,6 +116,7 @@ func TestReorderAcrossHandoverIsCountedOnce(t *testing.T) {
 // The same within one lane: refused for several rounds while the later message is stored, then
 // stored behind it. One reorder, counted once, however many rounds it took.
 func TestReorderWithinALaneIsCountedOnce(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-r"
 	f.groups.set(dev, "g")
@@ -156,6 +158,7 @@ func TestReorderWithinALaneIsCountedOnce(t *testing.T) {
 // lane's headers, and hands the stream's acknowledgement back to the lane, except the first one
 // for INCOMING:1, which it holds until the lane has timed that publish out.
 func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-l"
 	f.groups.set(dev, "g")
@@ -235,6 +238,7 @@ func TestLateAcknowledgementIsNotAReorder(t *testing.T) {
 // message left its queue (an earlier one was still refused), counts it as it stops; the next
 // owner counts what it stores out of order itself, and not the first owner's again.
 func TestReorderStoredByAFencedLaneIsCounted(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-r"
 	p := subjects.Partition(dev, 16)
@@ -310,6 +314,7 @@ func handOver(t *testing.T, f *fixture, cfg lanes.Config, p int, lost *atomic.Bo
 // back every later message of its partition until it is stored: the same refusal that reorders
 // single publishes (TestReorderWithinALaneIsCountedOnce) reorders nothing.
 func TestRefusedMessageHoldsBackItsDevice(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	dev := "dev-r"
 	f.groups.set(dev, "g")

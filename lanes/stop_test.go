@@ -31,6 +31,8 @@ import (
 // delete of the old consumer 2s, a read of the stream's incarnation 5s, a publish the old leader
 // dropped the stall timeout of 2s).
 func TestConsumerOfAStoppedServerIsReplacedAtOnce(t *testing.T) {
+	// Not parallel: its bound is the target itself (1 s), so it runs before the parallel tests,
+	// the only one of its package then.
 	for _, sl := range []subjects.StreamLayout{subjects.SingleStream, subjects.PartitionStreams} {
 		t.Run(string(sl), func(t *testing.T) { consumerOfAStoppedServer(t, sl) })
 	}

@@ -55,6 +55,7 @@ func (w *wireTap) seen() (msgs, bytes int) {
 // I5 seen from outside: with no acknowledgement ever, every distinct message a lane sent is
 // still in flight, so what the wire carries is the in-flight bound itself.
 func TestInFlightBoundOnTheWire(t *testing.T) {
+	t.Parallel()
 	for name, tc := range map[string]struct {
 		cfg     lanes.Config
 		payload int
@@ -115,6 +116,7 @@ func TestInFlightBoundOnTheWire(t *testing.T) {
 // every retry; it must not stall the others. Its devices map to a group whose subject only a
 // subscriber that never answers listens to.
 func TestStuckPartitionDoesNotStallOthers(t *testing.T) {
+	t.Parallel()
 	for name, tc := range map[string]struct {
 		cfg        lanes.Config
 		stuckPad   int // header bytes on the stuck partition's messages
@@ -190,6 +192,7 @@ func pad(n int) nats.Header {
 // A message larger than PullMaxBytes still reaches the lane: a pull request it does not fit in
 // would stall the partition, so the bound is raised to the connection's maximum payload.
 func TestMessageLargerThanPullMaxBytes(t *testing.T) {
+	t.Parallel()
 	f := newFixture(t)
 	devs := devices(20)
 	for _, d := range devs {

@@ -25,6 +25,7 @@ import (
 // own, on another subject but checking the writer's fence, is what stays in process. Every
 // message of the writer must be stored once, in order, and Redirect never called.
 func TestFenceInProcessIsNotARefusal(t *testing.T) {
+	t.Parallel()
 	const fence = "kvmapper.fence.OUTGOING.3"
 	c := natstest.StartCluster(t, 3)
 	admin, err := jetstream.New(c.Connect(t, 0))
@@ -130,6 +131,7 @@ func idsOfStream(t *testing.T, js jetstream.JetStream, stream string) []string {
 // one. With no fault at all, every message must be stored once, in order, and none refused for a
 // fence in process.
 func TestFencedSinglesGoOneAtATime(t *testing.T) {
+	t.Parallel()
 	const fence = "kvmapper.fence.OUTGOING.3"
 	c := natstest.StartCluster(t, 3)
 	admin, err := jetstream.New(c.Connect(t, 0))

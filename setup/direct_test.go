@@ -20,6 +20,7 @@ func directConfig(t *testing.T, partitions int, r wire.Receive) setup.Config {
 
 // Direct mode creates no INCOMING, and says what the server does with the device subjects.
 func TestDirectModeCreatesNoIncoming(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for _, c := range []struct {
 		receive wire.Receive
@@ -58,6 +59,7 @@ func TestDirectModeCreatesNoIncoming(t *testing.T) {
 // Without the mapping, direct mode with the default receive mode refuses and prints the mapping
 // block to add, or the way around it.
 func TestDirectModeNeedsTheMapping(t *testing.T) {
+	t.Parallel()
 	cfg := directConfig(t, 16, wire.ReceiveMapping)
 	_, js := natstest.Start(t).JetStream(t)
 	_, err := setup.Ensure(context.Background(), js, cfg)
@@ -78,6 +80,7 @@ func TestDirectModeNeedsTheMapping(t *testing.T) {
 
 // A mapping for another partition count is named as such.
 func TestDirectModeRefusesAnotherPartitionCount(t *testing.T) {
+	t.Parallel()
 	srv := mapped(t, layout(t, 8))
 	_, js := srv.JetStream(t)
 	_, err := setup.Ensure(context.Background(), js, directConfig(t, 16, wire.ReceiveMapping))
@@ -89,6 +92,7 @@ func TestDirectModeRefusesAnotherPartitionCount(t *testing.T) {
 // Receiving every device subject needs the server not to map them: mapped, no replica
 // subscribed to incoming.*.* would receive anything.
 func TestDirectReceiveAllRefusesTheMapping(t *testing.T) {
+	t.Parallel()
 	cfg := directConfig(t, 16, wire.ReceiveAll)
 	_, js := mapped(t, cfg.Layout).JetStream(t)
 	_, err := setup.Ensure(context.Background(), js, cfg)
@@ -100,6 +104,7 @@ func TestDirectReceiveAllRefusesTheMapping(t *testing.T) {
 // A stream that captures the device subjects (stream mode's INCOMING, or any other) would
 // answer the devices instead of OUTGOING: direct mode refuses it and says what to do.
 func TestDirectModeRefusesAStreamCapturingTheDevices(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for name, subject := range map[string]string{"INCOMING": "incoming.*.*", "TAP": "incoming.>", "MAPPED": "incoming.3.*.*"} {
 		t.Run(name, func(t *testing.T) {
@@ -124,6 +129,7 @@ func TestDirectModeRefusesAStreamCapturingTheDevices(t *testing.T) {
 // An unknown mode or receive kind is a configuration setup refuses (wire.ParseMode and
 // wire.ParseReceive read the names themselves).
 func TestEnsureRefusesAnUnknownModeOrReceive(t *testing.T) {
+	t.Parallel()
 	for _, cfg := range []setup.Config{{Layout: layout(t, 16), Mode: "fast"}, {Layout: layout(t, 16), Mode: wire.ModeDirect, Receive: "any"}} {
 		if _, err := setup.Ensure(context.Background(), nil, cfg); !errors.Is(err, setup.ErrInvalidConfig) || !errors.Is(err, wire.ErrInvalid) {
 			t.Errorf("Ensure with mode %q, receive %q = %v, want ErrInvalidConfig and wire.ErrInvalid", cfg.Mode, cfg.Receive, err)
@@ -134,6 +140,7 @@ func TestEnsureRefusesAnUnknownModeOrReceive(t *testing.T) {
 // Direct mode marks the control bucket (key mode) for status and verify, which have no INCOMING
 // to read then; stream mode removes the mark.
 func TestDirectModeMarksTheControlBucket(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, js := natstest.Start(t).JetStream(t)
 	mode := func() string {

@@ -19,6 +19,7 @@ import (
 // bucket; an OUTGOING made earlier without them is updated. On one server it fences nothing and
 // records nothing: the lease clock is the fence there.
 func TestEnsureFencesReplicatedOutputs(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	t.Run("cluster", func(t *testing.T) {

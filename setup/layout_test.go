@@ -59,6 +59,7 @@ func exists(t *testing.T, js jetstream.JetStream, stream string) bool {
 // single stream (and how to get the faster layout) when it is not; setup creates that layout
 // alone and records it.
 func TestAutoLayoutOfANewDeployment(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for name, tc := range map[string]struct {
 		mapping     bool
@@ -107,6 +108,7 @@ func TestAutoLayoutOfANewDeployment(t *testing.T) {
 // `run --embedded` gives its own server the mapping once the partition streams are chosen: no
 // probe could find it before.
 func TestAutoLayoutWhenTheCallerSetsTheMapping(t *testing.T) {
+	t.Parallel()
 	_, js := natstest.Start(t).JetStream(t)
 	cfg := autoConfig(t)
 	cfg.CallerSetsMapping = true
@@ -119,6 +121,7 @@ func TestAutoLayoutWhenTheCallerSetsTheMapping(t *testing.T) {
 // An existing deployment keeps its layout under auto, whether setup recorded it or not (made
 // before layouts were recorded), even on a server where a new one would get the other.
 func TestAutoKeepsTheExistingLayout(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for _, tc := range []struct {
 		existing subjects.StreamLayout
@@ -179,6 +182,7 @@ func TestAutoKeepsTheExistingLayout(t *testing.T) {
 // command, naming both; once the recorded layout's streams are removed, setup moves the
 // deployment and records the new layout.
 func TestExplicitLayoutAgainstTheRecord(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	lay := layout(t, 16)
 	_, js := mapped(t, lay).JetStream(t)
@@ -230,6 +234,7 @@ func TestExplicitLayoutAgainstTheRecord(t *testing.T) {
 // The commands that only read a deployment refuse to guess: with nothing recorded and no
 // INCOMING they say to run setup. A recorded value that names no layout is a mismatch.
 func TestRecordedLayoutNeedsADeployment(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, js := natstest.Start(t).JetStream(t)
 	_, err := setup.RecordedLayout(ctx, js, autoConfig(t))
@@ -261,6 +266,7 @@ func TestRecordedLayoutNeedsADeployment(t *testing.T) {
 // A direct-mode deployment, read without --mode direct (status and verify find out from the
 // control bucket's mode mark): no layout to resolve, and no error before they read the mark.
 func TestRecordedLayoutOfADirectModeDeployment(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	_, js := natstest.Start(t).JetStream(t)
 	if _, err := setup.Ensure(ctx, js, setup.Config{Layout: layout(t, 16), Mode: wire.ModeDirect, Receive: wire.ReceiveAll}); err != nil {

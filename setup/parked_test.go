@@ -15,6 +15,7 @@ import (
 )
 
 func TestEnsureParked(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	ctx := context.Background()
@@ -78,6 +79,7 @@ func TestEnsureParked(t *testing.T) {
 }
 
 func TestParseOnUnmapped(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]setup.OnUnmapped{"": setup.OnUnmappedDeadLetter, "dead-letter": setup.OnUnmappedDeadLetter, "park": setup.OnUnmappedPark} {
 		if got, err := setup.ParseOnUnmapped(in); got != want || err != nil {
 			t.Errorf("ParseOnUnmapped(%q) = %q, %v; want %q", in, got, err, want)

@@ -34,6 +34,7 @@ func mapped(t *testing.T, lay *subjects.Layout) *natstest.Server {
 }
 
 func TestPartitionStreamsCreatedThenVerified(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	cfg := streamsConfig(t, 16)
 	_, js := mapped(t, cfg.Layout).JetStream(t)
@@ -79,6 +80,7 @@ func TestPartitionStreamsCreatedThenVerified(t *testing.T) {
 // The account mapping must put a device where subjects.Partition says, in the stream of that
 // partition, under the subject the single layout stores.
 func TestPartitionStreamsPartitionLikeSubjects(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	cfg := streamsConfig(t, 16)
 	_, js := mapped(t, cfg.Layout).JetStream(t)
@@ -113,6 +115,7 @@ func TestPartitionStreamsPartitionLikeSubjects(t *testing.T) {
 // Without the mapping, setup refuses and says what to add; the block it prints, put into a
 // server's configuration file, is what the server needs.
 func TestPartitionStreamsRefusedWithoutTheMapping(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	cfg := streamsConfig(t, 16)
 	_, js := natstest.Start(t).JetStream(t)
@@ -148,6 +151,7 @@ func TestPartitionStreamsRefusedWithoutTheMapping(t *testing.T) {
 }
 
 func TestPartitionStreamsRefuseMismatches(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for name, tc := range map[string]struct {
 		mapping *subjects.Layout // the server's mapping; nil for none

@@ -17,6 +17,7 @@ import (
 // cluster of two: Ensure fails with ErrInvalidConfig and says what to do, instead of the
 // server's bare error.
 func TestEnsureSaysWhyReplicasCannotBePlaced(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name  string
 		start func(t *testing.T) jetstream.JetStream

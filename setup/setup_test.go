@@ -29,6 +29,7 @@ func layout(t *testing.T, partitions int) *subjects.Layout {
 }
 
 func TestEnsureCreatesThenVerifies(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	ctx := context.Background()
@@ -94,6 +95,7 @@ func TestEnsureCreatesThenVerifies(t *testing.T) {
 // The server stamps partitions on ingest: what Ensure creates must put a device where
 // subjects.Partition says.
 func TestIncomingPartitionsLikeSubjects(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	ctx := context.Background()
@@ -122,6 +124,7 @@ func TestIncomingPartitionsLikeSubjects(t *testing.T) {
 }
 
 func TestEnsureRefusesMismatches(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for name, tc := range map[string]struct {
 		prepare func(t *testing.T, js jetstream.JetStream)
@@ -192,6 +195,7 @@ func TestEnsureRefusesMismatches(t *testing.T) {
 }
 
 func TestEnsureInvalidConfig(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	_, js := srv.JetStream(t)
 	for name, cfg := range map[string]setup.Config{
@@ -207,6 +211,7 @@ func TestEnsureInvalidConfig(t *testing.T) {
 // --groups-history sets the history of a groups bucket setup creates, and an existing bucket
 // that keeps fewer values is an error only when it was asked for.
 func TestGroupsHistory(t *testing.T) {
+	t.Parallel()
 	_, js := natstest.Start(t).JetStream(t)
 	ctx := context.Background()
 	history := func(bucket string) int64 {

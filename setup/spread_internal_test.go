@@ -9,6 +9,7 @@ import (
 // none, and checks where they end: every server within one of the others when every stream
 // may go anywhere, and as even as the replica sets allow when they may not.
 func TestNextMoveNarrowsTheSpread(t *testing.T) {
+	t.Parallel()
 	all := func(n int, leader string, peers ...string) []leadership {
 		ls := make([]leadership, n)
 		for i := range ls {

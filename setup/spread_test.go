@@ -83,6 +83,7 @@ func evenly(t *testing.T, counts map[string]int, partitions int, said string) {
 // setup without BalanceLeaders moves nothing, that with it every server then leads 5 or 6 of
 // the 16, and that a second run finds them spread and moves nothing.
 func TestEnsureSpreadsPartitionLeaders(t *testing.T) {
+	t.Parallel()
 	cfg := streamsConfig(t, 16)
 	cfg.Replicas = 3
 	cfg.Defaults()
@@ -142,6 +143,7 @@ func TestEnsureSpreadsPartitionLeaders(t *testing.T) {
 // left (8 each) without handing one to the dead server: to the streams' info it is still
 // neither offline nor behind.
 func TestEnsureSpreadsPartitionLeadersOverServersUp(t *testing.T) {
+	t.Parallel()
 	cfg := streamsConfig(t, 16)
 	cfg.Replicas = 3
 	cfg.Defaults()
@@ -203,6 +205,7 @@ func formatCounts(counts map[string]int) string {
 // spreading fails, and Ensure says so in a warning line naming what to run by hand, and
 // succeeds, since the streams work wherever they are led.
 func TestEnsureWarnsWhenLeadersCannotMove(t *testing.T) {
+	t.Parallel()
 	cfg := streamsConfig(t, 16)
 	cfg.Replicas = 3
 	cfg.Defaults()

@@ -13,6 +13,7 @@ import (
 // the value as kvmapper shows it; it checks the values as they are, so that a zero given on the
 // command line is refused, while Defaults then Validate accepts a Config left zero.
 func TestValidate(t *testing.T) {
+	t.Parallel()
 	valid := func() setup.Config {
 		c := setup.Config{Layout: layout(t, 16)}
 		c.Defaults()

@@ -11,6 +11,7 @@ import (
 // sends one message at a time (after a takeover, while what a previous owner stored is resent)
 // learns from a batch of one exactly what it learns from a single publish.
 func TestOneMessageBatch(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil)
 	publish(t, js, msg("outgoing.g.d.t", "old-1"))
 
@@ -38,6 +39,7 @@ func TestOneMessageBatch(t *testing.T) {
 // sent to a batch already committed is refused as unknown (10208): a writer that lost the PubAck
 // cannot ask again, it must read the stream or resend.
 func TestCommittedBatch(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil)
 	publish(t, js, msg("outgoing.g.d.t", "old-1"))
 

@@ -117,6 +117,7 @@ func pipeline(t *testing.T, nc *nats.Conn, msgs []*nats.Msg) []pubAnswer {
 // per partition, and one that pipelines sees later messages stored around refused earlier ones:
 // a reorder. The headers are stored with the message: downstream sees them.
 func TestFenceCheckPerMessage(t *testing.T) {
+	t.Parallel()
 	const n = 200
 	run := func(t *testing.T, nc *nats.Conn, js jetstream.JetStream, replicas int) (refused, storedAfter int) {
 		f := fenceOutgoing(t, js, replicas)
@@ -182,6 +183,7 @@ func TestFenceCheckPerMessage(t *testing.T) {
 // replicated stream a check on every message of the batch is no way out: the second one is
 // refused as in process (10164), which ends a gap-fail batch.
 func TestFenceOnAFastBatchLeavesItsTail(t *testing.T) {
+	t.Parallel()
 	c := natstest.StartCluster(t, 3)
 	nc := c.Connect(t, 0)
 	js, err := jetstream.New(nc)
@@ -259,6 +261,7 @@ func atomicBatch(t *testing.T, nc *nats.Conn, id string, msgs []*nats.Msg, hold 
 // other messages were staged before the fence was written. A batch either precedes the fence in
 // the stream or is not in it.
 func TestFenceOnAnAtomicBatch(t *testing.T) {
+	t.Parallel()
 	c := natstest.StartCluster(t, 3)
 	nc := c.Connect(t, 0)
 	js, err := jetstream.New(nc)

@@ -13,6 +13,7 @@ import (
 // batch's count. (nats-server jetstream_batching.go fastBatchInit, checkFlowControl;
 // stream.go processJetStreamFastBatchMsg)
 func TestFlowAcksCarryOnlyTheBatchSequence(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		flow, every int
 	}{
@@ -57,6 +58,7 @@ func TestFlowAcksCarryOnlyTheBatchSequence(t *testing.T) {
 // 500/N for N open batches; the first batch, acknowledged every 500 while alone, is slowed
 // down to 500/N by halving.
 func TestFlowAcksWithConcurrentBatches(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil)
 	const n, rounds = 4, 800
 	bs := make([]*batch, n)

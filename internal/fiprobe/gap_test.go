@@ -18,6 +18,7 @@ import (
 // (the PubAck counts the messages before the hole; nothing after it is stored); with gap: ok
 // it stores the rest. A ping after the last message finds a hole at the end the same way.
 func TestLostMessageIsAGap(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name  string
 		gapOK bool
@@ -96,6 +97,7 @@ func ids0(prefix string, from, to int) []string {
 // reconnect the client goes on with the next sequence (its inbox is subscribed again) and the
 // batch completes, as long as nothing was lost meanwhile.
 func TestReconnectKeepsTheBatch(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t)
 	reconnected := make(chan struct{}, 1)
 	nc := s.Connect(t, nats.ReconnectBufSize(-1), nats.ReconnectWait(10*time.Millisecond),
@@ -136,6 +138,7 @@ func TestReconnectKeepsTheBatch(t *testing.T) {
 // or ping is refused as an unknown batch. A ping, like a message, restarts the timeout, and its
 // answer repeats the last flow acknowledgement rather than saying what is stored.
 func TestAbandonedBatchIsForgotten(t *testing.T) {
+	t.Parallel()
 	const timeout = time.Second
 	_, nc, js := outgoing(t, nil, func(o *server.Options) { o.JetStreamLimits.MaxBatchTimeout = timeout })
 	adv, err := nc.SubscribeSync("$JS.EVENT.ADVISORY.>")
@@ -214,6 +217,7 @@ func contains(s, sub string) bool {
 // accounts); a batch beyond it is refused on its first message with 429/10211, and the others
 // go on.
 func TestInflightBatchLimit(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil, func(o *server.Options) { o.JetStreamLimits.MaxBatchInflightPerStream = 2 })
 	var bs []*batch
 	for i := range 3 {
@@ -241,6 +245,7 @@ func TestInflightBatchLimit(t *testing.T) {
 // TestBatchSizeIsUnbounded: max_batch_size (default 1000) bounds atomic batches only; a fast
 // batch takes any number of messages.
 func TestBatchSizeIsUnbounded(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil, func(o *server.Options) { o.JetStreamLimits.MaxBatchSize = 10 })
 	b := newBatch(t, nc, 500, false)
 	const n = 100
@@ -261,6 +266,7 @@ func TestBatchSizeIsUnbounded(t *testing.T) {
 // as an unknown batch (10208), and a client that lost answers cannot learn from the server what
 // of it was stored, beyond reading the stream.
 func TestServerRestartForgetsTheBatch(t *testing.T) {
+	t.Parallel()
 	s, _, _ := outgoing(t, nil)
 	reconnected := make(chan struct{}, 1)
 	nc := s.Connect(t, nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond),

@@ -16,6 +16,7 @@ import (
 // ends with a PubAck of stream sequence 0. (stream.go processJetStreamFastBatchMsg, the
 // errMsgIdDuplicate branch; jetstream_batching.go checkMsgHeadersPreClusteredProposal)
 func TestDuplicatesInABatchAreSkippedSilently(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil)
 	publish(t, js, msg("outgoing.g.dev.t", "d-3"), msg("outgoing.g.dev.t", "d-7"))
 
@@ -71,6 +72,7 @@ func TestDuplicatesInABatchAreSkippedSilently(t *testing.T) {
 // as a gap. Both are core messages: they can be lost, and then the PubAck's count still tells
 // where the batch stopped. With gap: ok the batch goes on past the refused message.
 func TestRefusedMessageEndsTheBatch(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name   string
 		cfg    func(*jetstream.StreamConfig)
@@ -146,6 +148,7 @@ func TestRefusedMessageEndsTheBatch(t *testing.T) {
 // a plain error PubAck (after the first flow acknowledgement, sent before the check) and the
 // batch is gone: its next message is refused as belonging to an unknown batch.
 func TestRefusedFirstMessage(t *testing.T) {
+	t.Parallel()
 	_, nc, js := outgoing(t, nil)
 	b := newBatch(t, nc, 500, false)
 	b.add(msg("outgoing.g.dev.t", "f-1", "Nats-TTL", "1m"))
@@ -169,6 +172,7 @@ func TestRefusedFirstMessage(t *testing.T) {
 // Nats-Rollup with code 500, not 400, whether it comes in a batch (above) or alone: a write path
 // that takes only 400s as "about the message" would resend it forever.
 func TestRollupRefusalIsNotABadRequest(t *testing.T) {
+	t.Parallel()
 	_, _, js := outgoing(t, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()

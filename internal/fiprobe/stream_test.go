@@ -18,6 +18,7 @@ import (
 // allow_batched, refuses batches (10205); it is not stored, and the batch's own stream then sees
 // a hole at the next message and ends the batch (gap: fail).
 func TestOneBatchOneStream(t *testing.T) {
+	t.Parallel()
 	for _, batched := range []bool{true, false} {
 		t.Run("unmapped allow_batched="+strconv.FormatBool(batched), func(t *testing.T) {
 			_, nc, js := outgoing(t, nil)
@@ -67,6 +68,7 @@ func TestOneBatchOneStream(t *testing.T) {
 // leader handing over (step-down) loses nothing sent before; what reaches no leader in
 // between is a hole the next message shows (gap: fail ends the batch there).
 func TestLeaderChangeMidBatch(t *testing.T) {
+	t.Parallel()
 	c := natstest.StartCluster(t, 3)
 	nc := c.Connect(t, 0)
 	js, err := jetstream.New(nc)
