@@ -68,7 +68,9 @@ func TestOneBatchOneStream(t *testing.T) {
 // leader handing over (step-down) loses nothing sent before; what reaches no leader in
 // between is a hole the next message shows (gap: fail ends the batch there).
 func TestLeaderChangeMidBatch(t *testing.T) {
-	t.Parallel()
+	// Not parallel: it reads what a server answers a batch across its leader's death, and
+	// beside its package's other clusters under -race the new leader's answer to the batch
+	// came later than its 30 s (2026-12-07), which says nothing of the answer itself.
 	c := natstest.StartCluster(t, 3)
 	nc := c.Connect(t, 0)
 	js, err := jetstream.New(nc)
