@@ -45,9 +45,7 @@ const parallelScenarios = 4
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	if !raceEnabled {
-		natstest.SetParallel(parallelScenarios)
-	}
+	natstest.SetParallel(parallelScenarios)
 	dir, err := os.MkdirTemp("", "kvmapper-integration")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -25,7 +25,6 @@ import (
 // own, on another subject but checking the writer's fence, is what stays in process. Every
 // message of the writer must be stored once, in order, and Redirect never called.
 func TestFenceInProcessIsNotARefusal(t *testing.T) {
-	t.Parallel()
 	const fence = "kvmapper.fence.OUTGOING.3"
 	c := natstest.StartCluster(t, 3)
 	admin, err := jetstream.New(c.Connect(t, 0))
@@ -128,13 +127,16 @@ func idsOfStream(t *testing.T, js jetstream.JetStream, stream string) []string {
 // each publish against the fence record; while one such publish is in process (proposed, not
 // yet applied), the stream refuses the next checking the same record (10164), and takes the one
 // after it once the first is applied: pipelined, a later message is stored ahead of an earlier
-// one. With no fault at all, every message must be stored once, in order, and none refused for a
-// fence in process.
+// one. So the writer must not publish one while an earlier one has no answer, and every message
+// must be stored once, in order.
+//
+// A refusal for a fence in process is no sign of pipelining by itself: nats-server 2.15.2 sends
+// a message's PubAck from processJetStreamMsg and only then clears the subject's in-process mark
+// (jetstream_cluster.go, applyStreamEntries), so a next publish sent on the acknowledgement can
+// arrive in between. On a loaded machine it did (once in 300 publishes, in two CI runs of
+// 2026-12-07 with another package's tests beside it); the writer resends it, and this test logs
+// how often.
 func TestFencedSinglesGoOneAtATime(t *testing.T) {
-	// Not parallel, and a publish timeout far above a publish's time: a publish that timed out
-	// is resent while it may still be in process, which is a fault this test is not about
-	// (beside the package's other clusters under -race, one did: 10164 after a 2 s timeout).
-	// Two checks pipelined by the writer are refused at once whatever the timeout.
 	const fence = "kvmapper.fence.OUTGOING.3"
 	c := natstest.StartCluster(t, 3)
 	admin, err := jetstream.New(c.Connect(t, 0))
@@ -154,7 +156,7 @@ func TestFencedSinglesGoOneAtATime(t *testing.T) {
 	leader := c.WaitStreamLeader("OUTGOING", -1, 30*time.Second)
 	c.WaitStreamCurrent("OUTGOING", 30*time.Second)
 	d := newDriver(t, c.Connect(t, leader), []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}},
-		ordered.Config{PublishTimeout: 10 * time.Second})
+		ordered.Config{PublishTimeout: 2 * time.Second})
 	d.w.SetFence(0, fence, own.Sequence)
 	var inProcess []error
 	d.hooks.Round = func(first error, _ int, _ time.Duration) {
@@ -162,6 +164,15 @@ func TestFencedSinglesGoOneAtATime(t *testing.T) {
 			inProcess = append(inProcess, first)
 		}
 	}
+	// Each publish, as it begins: was an earlier one still without its answer? (The hook runs
+	// on the writer's goroutine, which Settled reads.)
+	publishes, pipelined := 0, 0
+	defer ordered.SetBeforePublish(func() {
+		publishes++
+		if !d.w.Settled() {
+			pipelined++
+		}
+	})()
 	ms := msgs(1, 300)
 	if err := d.run(ms, 30); err != nil {
 		t.Fatalf("run = %v, want every message stored", err)
@@ -175,7 +186,10 @@ func TestFencedSinglesGoOneAtATime(t *testing.T) {
 	if want := idsOf(ms); !slices.Equal(got, want) {
 		t.Errorf("OUTGOING holds %d messages of the writer %v, want each of the %d once, in order", len(got), got, len(want))
 	}
+	if pipelined > 0 {
+		t.Errorf("%d of %d publishes began while an earlier one had no answer: the writer had two checks of the fence in flight", pipelined, publishes)
+	}
 	if len(inProcess) > 0 {
-		t.Errorf("%d rounds of resends began with a publish refused for a fence in process (first: %v): the writer had two checks of the fence in flight", len(inProcess), inProcess[0])
+		t.Logf("%d rounds of resends began with a publish refused for a fence in process (first: %v)", len(inProcess), inProcess[0])
 	}
 }

@@ -162,7 +162,6 @@ func (d *driver) run(ms []*ordered.Msg, burst int) error {
 // TestWritesInOrder: every mode stores every message once, in the order given, and pops them in
 // that order, stored.
 func TestWritesInOrder(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeSingle, ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -190,7 +189,6 @@ func TestWritesInOrder(t *testing.T) {
 // one is stored as new, so the duplicates of what a previous writer stored are known exactly; then
 // it batches.
 func TestProbeCountsDuplicates(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -229,7 +227,6 @@ func TestProbeCountsDuplicates(t *testing.T) {
 // once the sender flushed, it is committed as soon as that batch's answer comes, with no further
 // Flush from the sender (whose next one may be a tick away when nothing new arrives).
 func TestWaitingMessagesGoWhenTheBatchAnswers(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -267,7 +264,6 @@ func TestWaitingMessagesGoWhenTheBatchAnswers(t *testing.T) {
 // stored, and the round of resends stores the rest in order. (Single publishes cannot promise
 // that: the stream stores what follows a lost message before the writer knows it was lost.)
 func TestLostMessageIsResentInOrder(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			drop := &natstest.Dropper{}
@@ -298,7 +294,6 @@ func TestLostMessageIsResentInOrder(t *testing.T) {
 // stream that does not allow them) goes where Redirect sends it; the messages after it in the
 // batch are stored after it, in order.
 func TestRefusedMessageIsRedirected(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeSingle, ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -333,7 +328,6 @@ func TestRefusedMessageIsRedirected(t *testing.T) {
 // TestFallsBackToSingles: a stream that does not allow batches, given as a batch stream, is
 // written singly from its first refusal on, with one call of OnFallback, and nothing is lost.
 func TestFallsBackToSingles(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []ordered.Mode{ordered.ModeBatch, ordered.ModeAtomic} {
 		t.Run(mode.String(), func(t *testing.T) {
 			e := newEnv(t, func(c *jetstream.StreamConfig) { c.AllowBatchPublish, c.AllowAtomicPublish = false, false })
@@ -360,7 +354,6 @@ func TestFallsBackToSingles(t *testing.T) {
 // from another connection, while the writer was sending: nothing of the writer is stored after
 // the successor's record, and what it popped as stored is exactly what the stream holds of it.
 func TestFencedWriterStoresNothingAfterItsSuccessor(t *testing.T) {
-	t.Parallel()
 	const fence = "kvmapper.fence.OUTGOING.3"
 	e := newEnv(t, func(c *jetstream.StreamConfig) { c.Subjects = append(c.Subjects, "kvmapper.fence.>") })
 	ctx := context.Background()
@@ -434,7 +427,6 @@ func TestFencedWriterStoresNothingAfterItsSuccessor(t *testing.T) {
 // after the reconnect: that one must not be stored ahead of them. Twice, so that the writer's
 // memory of the connection it last looked at is tried across a second reconnect.
 func TestReconnectSendsNothingBeforeWhatTheOldConnectionLost(t *testing.T) {
-	t.Parallel()
 	drop := &natstest.Dropper{}
 	e := newEnv(t, nil, nats.SetCustomDialer(drop), nats.ReconnectWait(10*time.Millisecond))
 	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
@@ -490,7 +482,6 @@ func TestReconnectSendsNothingBeforeWhatTheOldConnectionLost(t *testing.T) {
 // message must not go out on the new connection ahead of the five the old one lost: it is held
 // back and sent after their resend, in order.
 func TestReconnectBetweenCheckAndPublishSendsNothingAhead(t *testing.T) {
-	t.Parallel()
 	drop := &natstest.Dropper{}
 	e := newEnv(t, nil, nats.SetCustomDialer(drop), nats.ReconnectWait(10*time.Millisecond))
 	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
@@ -550,7 +541,6 @@ func TestReconnectBetweenCheckAndPublishSendsNothingAhead(t *testing.T) {
 // never come back, and once all were gone no writer of the process would send to that stream
 // again.
 func TestDroppedWriterFreesItsAtomicSlot(t *testing.T) {
-	t.Parallel()
 	drop := &natstest.Dropper{}
 	e := newEnv(t, nil)
 	slots := ordered.NewSlots(1)
@@ -618,7 +608,6 @@ func (g *gatedDialer) open() {
 // given after the old connection lost five is published while the connection reconnects: it
 // must not be buffered ahead of their resend.
 func TestNothingIsSentWhileReconnecting(t *testing.T) {
-	t.Parallel()
 	g := &gatedDialer{Dropper: &natstest.Dropper{}}
 	e := newEnv(t, nil, nats.SetCustomDialer(g), nats.ReconnectWait(10*time.Millisecond))
 	d := newDriver(t, e.nc, []ordered.Stream{{Name: "OUTGOING", Mode: ordered.ModeSingle}}, ordered.Config{PublishTimeout: 2 * time.Second})
@@ -681,7 +670,6 @@ func TestNothingIsSentWhileReconnecting(t *testing.T) {
 // message) still differ, so that the stream never takes two writers' batches for one. The ids
 // are read off the wire, as the server sees them.
 func TestAtomicBatchIDsOfTwoInboxes(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, nil)
 	var mu sync.Mutex
 	ids := map[string]bool{}

@@ -11,9 +11,14 @@ import (
 // under a core between them and took 51 s each; at 4 they took 32 s and 29 s (2026-12-07).
 const WaitingTests = 4
 
-// SetParallel sets -test.parallel to n unless the command line gave it. Call it from TestMain,
-// after flag.Parse, before m.Run.
+// SetParallel sets -test.parallel to n unless the command line gave it, or the race detector is
+// on: under it Go's default (one per core) stands, as a race-built server computes where the
+// others wait (beside another package under -race, four lanes tests at once ran a setup past
+// its 10 s in a CI run of 2026-12-07). Call it from TestMain, after flag.Parse, before m.Run.
 func SetParallel(n int) {
+	if raceEnabled {
+		return
+	}
 	set := false
 	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
 	if !set {
