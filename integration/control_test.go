@@ -115,7 +115,9 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 			// A lease lost meanwhile shows the starvation at once: the shared case need not
 			// wait out the 30 s.
 			claimBy := time.Now().Add(30 * time.Second)
+			var most int64 // the most bytes the lanes held in flight on the link
 			for len(r.Owned()) != partitions && time.Now().Before(claimBy) {
+				most = max(most, r.Stats().InFlightBytes)
 				if !tc.own && strings.Contains(logs.String(), "partition lease lost") {
 					t.Logf("with the control plane on the lanes' slow connection the replica lost a lease while it still claimed (%d of %d owned): its renewals starved", len(r.Owned()), partitions)
 					return
@@ -132,15 +134,11 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 			}
 			before := leaseEpochs(t, e.js)
 			// Three lease TTLs with the link full: the lanes hold megabytes in flight on it.
-			var most int64
 			deadline := time.Now().Add(3 * r.LeaseTTL())
 			for time.Now().Before(deadline) {
 				most = max(most, r.Stats().InFlightBytes)
 				tick := time.NewTimer(50 * time.Millisecond)
 				<-tick.C
-			}
-			if most < 1<<20 {
-				t.Fatalf("the lanes held at most %d bytes in flight on the slow link, want megabytes: the test proves nothing", most)
 			}
 			after := leaseEpochs(t, e.js)
 			var moved []string
@@ -151,6 +149,13 @@ func TestControlPlaneDoesNotQueueBehindTheLanes(t *testing.T) {
 			}
 			lost := strings.Count(logs.String(), "partition lease lost")
 			t.Logf("up to %d bytes in flight on the link; %d leases claimed again, %d lost in the log", most, len(moved), lost)
+			// Megabytes in flight are what the own case must face, and what the shared case
+			// must show starving its renewals, unless it already lost a lease (a CI run of
+			// 2026-12-08 failed this check in the shared case: its lanes held 0.7 MB at most,
+			// and whether a lease was lost is not in the record).
+			if most < 1<<20 && (tc.own || len(moved) == 0 && lost == 0) {
+				t.Fatalf("the lanes held at most %d bytes in flight on the slow link, want megabytes: the test proves nothing", most)
+			}
 			switch {
 			case tc.own && (len(moved) > 0 || lost > 0):
 				t.Errorf("with the control plane on its own connection, %d partitions were claimed again (%s) and %d leases lost", len(moved), strings.Join(moved, "; "), lost)
